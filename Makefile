@@ -1,0 +1,38 @@
+# Two commands for a newcomer on a fresh machine (both idempotent):
+#   make demo   create .venv if missing, install the package, run the main job
+#   make test   same .venv, install the test extras, run the test suite
+# pip (not uv): pip takes the torch builds cached on this machine.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: demo test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml setup.cfg | $(PY)
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml setup.cfg | $(PY)
+	$(PIP) install --quiet -e ".[test]"
+	touch $@ $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m nvalchemi_ase demo
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed-test
+	$(PIP) install --quiet ruff mypy
+	$(PY) -m ruff check nvalchemi_ase tests tutorials
+	$(PY) -m ruff format --check nvalchemi_ase tests tutorials
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,5 @@
+"""``python -m nvalchemi_ase`` runs the ``nvalchemi-ase`` command line."""
+
+from nvalchemi_ase.cli.main import main
+
+raise SystemExit(main())

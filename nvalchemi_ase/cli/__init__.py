@@ -1,0 +1,1 @@
+"""The ``nvalchemi-ase`` command line: one module per subcommand, lazy imports."""

@@ -1,0 +1,86 @@
+"""Dispatcher for the ``nvalchemi-ase`` command (``python -m nvalchemi_ase``).
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their command runs, so
+``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from nvalchemi_ase import __version__
+
+# (name, module, one-line help)
+_COMMANDS = (
+    (
+        "demo",
+        "nvalchemi_ase.cli.demo",
+        "evaluate a batch of real structures (the README's main job)",
+    ),
+)
+
+
+class CommandError(Exception):
+    """A user-facing command-line error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every subcommand registered.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        The parser.
+    """
+    parser = argparse.ArgumentParser(
+        prog="nvalchemi-ase",
+        description=(
+            "Batched atomistic simulation with NVIDIA ALCHEMI (nvalchemi) models, "
+            "ASE units throughout (Å, eV, eV/Å, eV/Å³; times in fs on the command "
+            "line)."
+        ),
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show full tracebacks on errors"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in _COMMANDS:
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments without the program name; ``sys.argv[1:]`` by default.
+
+    Returns
+    -------
+    int
+        Process exit status (0 on success).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 1
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args))
+    except (CommandError, ValueError, TypeError, OSError, ImportError) as error:
+        if args.debug:
+            raise
+        print(f"nvalchemi-ase {args.command}: error: {error}", file=sys.stderr)  # noqa: T201
+        return 2

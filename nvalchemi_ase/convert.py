@@ -1,0 +1,872 @@
+"""Lossless conversion between lists of ASE ``Atoms`` and an nvalchemi ``Batch``.
+
+nvalchemi 0.3 offers ``AtomicData.from_atoms`` one structure at a time; it drops
+momenta, tags, constraints and initial charges, refuses molecules mixed with
+periodic systems, slabs without a third cell vector and left-handed cells, and
+has no way back. This module builds the whole ``Batch`` in one vectorised pass
+(the per-structure work is gathering arrays; there is no per-atom Python loop),
+and converts back, field by field:
+
+=========================  ==========================  ===============================
+ASE                        Batch field (level, shape)  notes
+=========================  ==========================  ===============================
+``positions``              ``positions`` (atoms,       Å, not wrapped
+                           [V, 3])
+``numbers``                ``atomic_numbers`` (atoms,  int32 as ``from_atoms``; 1-118
+                           [V])
+``cell``                   ``cell`` (system,           rows are lattice vectors in both
+                           [B, 3, 3])                  codes; left-handed cells kept
+zero cell vectors on       ``cell`` padding rows and   a non-periodic axis with a zero
+non-periodic axes          ``cell_padding`` (system,   vector (molecule, slab) gets an
+                           [B, 3] bool)                orthogonal stand-in vector so
+                                                       every cell is invertible; it is
+                                                       zero again on the way back
+``pbc``                    ``pbc`` (system, [B, 3])    per structure, mixed in a batch
+``get_masses()``           ``atomic_masses`` (atoms,   amu; custom isotopes kept, the
+                           [V])                        ``masses`` array is restored only
+                                                       where it differs from ASE's
+                                                       defaults
+``momenta``                ``velocities`` (atoms,      Å/ASE-time = momenta / masses
+                           [V, 3])                     (nvalchemi's velocity unit);
+                                                       zeros when absent
+``initial_charges``        ``charges`` (atoms, [V])    e; present when any structure
+                                                       has them (others 0)
+``info["charge"]``         ``charge`` (system, [B,1])  e; present when any structure
+                                                       has it (others 0)
+``info["spin"]``           ``spin`` (system, [B, 1])   as given; present when any
+                                                       structure has it (others 0)
+``tags``                   ``tags`` (atoms, [V])       int64; present when any has tags
+``FixAtoms``               ``atom_categories`` = -1    (atoms, [V] int64) nvalchemi's
+                                                       frozen-atom marker read by
+                                                       ``FreezeAtomsHook``; 0 otherwise
+results: energy, forces,   ``energy`` [B, 1],          only :func:`batch_to_atoms` /
+stress                     ``forces`` [V, 3],          :func:`update_atoms` read them,
+                           ``stress`` [B, 3, 3]        into a ``SinglePointCalculator``
+                                                       (stress as Voigt, only for cells
+                                                       of rank 3)
+other ``info`` /           not carried                 warned once per key
+``arrays`` keys, other                                 (:class:`NotCarriedWarning`)
+constraints
+=========================  ==========================  ===============================
+
+The user's ``Atoms`` are never modified by :func:`atoms_to_batch`; every input is
+validated before any tensor is built, and a bad structure raises
+:class:`StructureError` naming its index, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from ase import Atoms
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.constraints import FixAtoms
+from ase.data import atomic_masses as ase_default_masses
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
+from nvalchemi_ase.units import (
+    momenta_to_velocities,
+    stress_3x3_to_voigt,
+    velocities_to_momenta,
+)
+
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+
+__all__ = [
+    "FROZEN_CATEGORY",
+    "NotCarriedWarning",
+    "StructureError",
+    "as_atoms_list",
+    "atoms_to_batch",
+    "batch_field",
+    "batch_results",
+    "batch_to_atoms",
+    "update_atoms",
+]
+
+#: ``atom_categories`` value of atoms frozen by ``FixAtoms``
+#: (``nvalchemi``'s ``AtomCategory.SPECIAL``, read by ``FreezeAtomsHook``).
+FROZEN_CATEGORY = -1
+
+_CARRIED_ARRAYS = frozenset(
+    {"numbers", "positions", "momenta", "masses", "initial_charges", "tags"}
+)
+_CARRIED_INFO = frozenset({"charge", "spin"})
+_MAX_ATOMIC_NUMBER = 118
+_warned_keys: set[str] = set()
+
+
+class StructureError(ValueError):
+    """A structure cannot be converted; the message names index, field and fix.
+
+    Attributes
+    ----------
+    index : int
+        Position of the offending structure in the input list.
+    field : str
+        The ASE field at fault (``"positions"``, ``"cell"``, ...).
+    """
+
+    def __init__(self, index: int, field: str, problem: str, fix: str) -> None:
+        self.index = index
+        self.field = field
+        super().__init__(f"images[{index}].{field}: {problem}; {fix}")
+
+
+class NotCarriedWarning(UserWarning):
+    """An ``Atoms`` field has no ``Batch`` counterpart and is not carried."""
+
+
+@dataclass
+class _Stacked:
+    """All structures' arrays concatenated along atoms (``_v``) or systems (``_b``)."""
+
+    counts_b: npt.NDArray[np.int64]
+    numbers_v: npt.NDArray[np.int64]
+    positions_v: npt.NDArray[np.float64]
+    masses_v: npt.NDArray[np.float64]
+    velocities_v: npt.NDArray[np.float64]
+    frozen_v: npt.NDArray[np.bool_]
+    cell_b: npt.NDArray[np.float64]
+    pbc_b: npt.NDArray[np.bool_]
+    charges_v: npt.NDArray[np.float64] | None
+    tags_v: npt.NDArray[np.int64] | None
+    charge_b: npt.NDArray[np.float64] | None
+    spin_b: npt.NDArray[np.float64] | None
+
+
+def as_atoms_list(images: Atoms | Iterable[Atoms]) -> list[Atoms]:
+    """Return ``images`` as a list of ``Atoms`` (one ``Atoms`` becomes a 1-list).
+
+    Parameters
+    ----------
+    images : ase.Atoms or iterable of ase.Atoms
+        One structure or several.
+
+    Returns
+    -------
+    list of ase.Atoms
+        The same objects (not copies).
+
+    Raises
+    ------
+    TypeError
+        If an element is not an ``ase.Atoms`` (its index is named).
+    ValueError
+        If the list is empty.
+    """
+    atoms_list = [images] if isinstance(images, Atoms) else list(images)
+    if not atoms_list:
+        raise ValueError("images is empty; pass at least one ase.Atoms")
+    for index, atoms in enumerate(atoms_list):
+        if not isinstance(atoms, Atoms):
+            hint = (
+                "; cell filters (FrechetCellFilter, UnitCellFilter) are accepted "
+                "by nvalchemi_ase.optimize, not by the adapter"
+                if hasattr(atoms, "atoms")
+                else ""
+            )
+            raise TypeError(
+                f"images[{index}] is a {type(atoms).__name__}, not an ase.Atoms{hint}"
+            )
+    return atoms_list
+
+
+def atoms_to_batch(
+    images: Atoms | Sequence[Atoms],
+    *,
+    device: torch.device | str | None = None,
+    dtype: DtypeLike = None,
+    warn_dropped: bool = True,
+) -> Batch:
+    """Convert one ``Atoms`` or a list of them into one nvalchemi ``Batch``.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        B structures of any sizes; molecules, slabs and bulk may be mixed.
+    device : torch.device or str or None
+        Where the batch lives; ``None`` means CUDA when available, else CPU.
+    dtype : torch.dtype or str or None
+        Floating dtype of positions, cell, masses, velocities and charges;
+        ``None`` means ``torch.float64`` (lossless).
+    warn_dropped : bool
+        Emit a :class:`NotCarriedWarning` (once per key per process) for
+        ``info``/``arrays`` keys and constraints that the batch cannot carry.
+
+    Returns
+    -------
+    nvalchemi.data.Batch
+        B graphs with V atoms in all; the fields are listed in this module's
+        docstring. No neighbour list is built.
+
+    Raises
+    ------
+    StructureError
+        For a structure that cannot be simulated (empty, non-finite positions or
+        cell, unknown element, periodic axis without a lattice vector, ...),
+        before any tensor is built.
+    """
+    atoms_list = as_atoms_list(images)
+    stacked = _stack(atoms_list)
+    if warn_dropped:
+        _warn_not_carried(atoms_list)
+    return _build_batch(stacked, resolve_device(device), resolve_dtype(dtype))
+
+
+def batch_to_atoms(batch: Batch) -> list[Atoms]:
+    """Convert a ``Batch`` back into a list of new ``Atoms``.
+
+    Parameters
+    ----------
+    batch : nvalchemi.data.Batch
+        B graphs, e.g. from :func:`atoms_to_batch` or a dynamics run.
+
+    Returns
+    -------
+    list of ase.Atoms
+        B new structures carrying every field in this module's table. When the
+        batch holds ``energy``/``forces``/``stress`` they are attached as a
+        ``SinglePointCalculator`` (stress in Voigt order, eV/Å³, for cells of
+        rank 3 only).
+    """
+    host = _HostCopy(batch)
+    results = _results_from_host(host)
+    images = []
+    for index in range(host.num_graphs):
+        atoms = Atoms(
+            numbers=host.split("atomic_numbers", index),
+            positions=host.split("positions", index),
+            cell=host.cell(index),
+            pbc=host.system("pbc", index),
+        )
+        _restore_optional_fields(atoms, host, index)
+        if results[index]:
+            atoms.calc = SinglePointCalculator(atoms, **results[index])
+        images.append(atoms)
+    return images
+
+
+def update_atoms(
+    images: Atoms | Sequence[Atoms],
+    batch: Batch,
+    *,
+    results: bool = True,
+) -> None:
+    """Write a batch's state back into existing ``Atoms``, in place.
+
+    Positions, momenta (velocities times the Atoms' own masses) and the cell
+    (only its non-padding rows, so variable-cell runs come back) are written.
+    With ``results=True`` the batch's energy, forces and stress become the
+    structure's calculator results, so ``atoms.get_potential_energy()`` costs no
+    model call: a calculator offering ``store_results(atoms, results)`` (such as
+    ``NVAlchemiCalculator``) has its cache primed, ``None`` or a
+    ``SinglePointCalculator`` is replaced by a new ``SinglePointCalculator``, and
+    any other calculator is left alone.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        The B structures the batch was built from, in the same order.
+    batch : nvalchemi.data.Batch
+        B graphs with the same atom counts.
+    results : bool
+        Also store energy/forces/stress as described above.
+
+    Raises
+    ------
+    ValueError
+        If the numbers of structures or atoms differ (nothing is written).
+    """
+    atoms_list = as_atoms_list(images)
+    host = _HostCopy(batch)
+    _check_same_shape(atoms_list, host)
+    result_dicts = _results_from_host(host) if results else None
+    for index, atoms in enumerate(atoms_list):
+        atoms.positions[:] = host.split("positions", index)
+        _write_momenta(atoms, host, index)
+        padding = host.system("cell_padding", index)
+        cell = atoms.cell.array.copy()
+        new_cell = host.system("cell", index)
+        cell[~padding] = new_cell[~padding]
+        atoms.set_cell(cell)
+        if result_dicts is not None and result_dicts[index]:
+            _store_results(atoms, result_dicts[index])
+
+
+def batch_results(
+    batch: Batch, outputs: Mapping[str, torch.Tensor] | None = None
+) -> list[dict[str, Any]]:
+    """Per-structure ASE results held by a batch (or by a model's outputs for it).
+
+    Parameters
+    ----------
+    batch : nvalchemi.data.Batch
+        B graphs; ``energy`` [B, 1], ``forces`` [V, 3] and ``stress`` [B, 3, 3]
+        are read from it when ``outputs`` does not hold them.
+    outputs : mapping of str to torch.Tensor, optional
+        A model's output dict for this batch. Besides energy, forces and stress it
+        may hold ``atomic_energies`` [V] (reported as ASE ``energies``) and
+        ``charges`` [V] (reported as ASE ``charges``).
+
+    Returns
+    -------
+    list of dict
+        One dict per structure with ``energy`` and ``free_energy`` (float, eV),
+        ``forces`` (numpy.ndarray (N, 3), eV/Å), ``stress`` (numpy.ndarray (6,),
+        Voigt xx yy zz yz xz xy, eV/Å³; only when the structure's ASE cell has
+        rank 3, ASE's rule), ``energies`` (N,) eV and ``charges`` (N,) e, each key
+        only when available.
+    """
+    return _results_from_host(_HostCopy(batch, outputs))
+
+
+def _results_from_host(host: _HostCopy) -> list[dict[str, Any]]:
+    energy = host.optional("energy")
+    forces = host.optional("forces")
+    stress = host.optional("stress")
+    stress_voigt = None if stress is None else stress_3x3_to_voigt(stress)
+    has_full_cell = host.has_full_cell()
+    per_atom = {
+        ase_key: host.output_only(key)
+        for ase_key, key in (("energies", "atomic_energies"), ("charges", "charges"))
+    }
+    per_structure: list[dict[str, Any]] = []
+    for index in range(host.num_graphs):
+        atoms_slice = slice(host.ptr[index], host.ptr[index + 1])
+        entry: dict[str, Any] = {}
+        if energy is not None:
+            entry["energy"] = float(energy[index].reshape(-1)[0])
+            entry["free_energy"] = entry["energy"]
+        if forces is not None:
+            entry["forces"] = forces[atoms_slice].copy()
+        if stress_voigt is not None and has_full_cell[index]:
+            entry["stress"] = stress_voigt[index].copy()
+        for ase_key, values in per_atom.items():
+            if values is not None:
+                entry[ase_key] = values[atoms_slice].reshape(-1).copy()
+        per_structure.append(entry)
+    return per_structure
+
+
+# --------------------------------------------------------------------------
+# Atoms -> stacked NumPy arrays (validation happens here, before any tensor)
+# --------------------------------------------------------------------------
+
+
+def _stack(atoms_list: list[Atoms]) -> _Stacked:
+    counts = np.array([len(atoms) for atoms in atoms_list], dtype=np.int64)
+    for index in np.flatnonzero(counts == 0):
+        raise StructureError(
+            int(index),
+            "numbers",
+            "the structure has no atoms",
+            "remove it from the list",
+        )
+    numbers = np.concatenate([atoms.arrays["numbers"] for atoms in atoms_list])
+    positions = np.concatenate([atoms.arrays["positions"] for atoms in atoms_list])
+    cell = np.stack([atoms.cell.array for atoms in atoms_list]).astype(np.float64)
+    pbc = np.stack([atoms.pbc for atoms in atoms_list]).astype(bool)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    _check_atoms_fields(numbers, positions, ptr)
+    _check_cells(cell, pbc)
+    masses = _gather_masses(atoms_list, numbers, ptr)
+    return _Stacked(
+        counts_b=counts,
+        numbers_v=numbers.astype(np.int64),
+        positions_v=positions.astype(np.float64),
+        masses_v=masses,
+        velocities_v=_gather_velocities(atoms_list, masses, ptr),
+        frozen_v=_gather_frozen(atoms_list, ptr),
+        cell_b=cell,
+        pbc_b=pbc,
+        charges_v=_gather_optional_array(atoms_list, "initial_charges", np.float64),
+        tags_v=_gather_optional_array(atoms_list, "tags", np.int64),
+        charge_b=_gather_info_number(atoms_list, "charge"),
+        spin_b=_gather_info_number(atoms_list, "spin"),
+    )
+
+
+def _structure_of(atom_index: int, ptr: npt.NDArray[np.int64]) -> tuple[int, int]:
+    structure = int(np.searchsorted(ptr, atom_index, side="right") - 1)
+    return structure, int(atom_index - ptr[structure])
+
+
+def _check_atoms_fields(
+    numbers: npt.NDArray[Any], positions: npt.NDArray[Any], ptr: npt.NDArray[np.int64]
+) -> None:
+    bad = np.flatnonzero(~np.isfinite(positions).all(axis=1))
+    if bad.size:
+        structure, atom = _structure_of(int(bad[0]), ptr)
+        raise StructureError(
+            structure,
+            f"positions[{atom}]",
+            f"is not finite ({positions[bad[0]].tolist()})",
+            "fix or remove that structure; nothing was computed",
+        )
+    bad = np.flatnonzero((numbers < 1) | (numbers > _MAX_ATOMIC_NUMBER))
+    if bad.size:
+        structure, atom = _structure_of(int(bad[0]), ptr)
+        raise StructureError(
+            structure,
+            f"numbers[{atom}]",
+            f"atomic number {int(numbers[bad[0]])} is outside 1-118",
+            "use real elements (ghost atoms 'X' = 0 cannot be simulated)",
+        )
+
+
+def _check_cells(cell: npt.NDArray[np.float64], pbc: npt.NDArray[np.bool_]) -> None:
+    for index in np.flatnonzero(~np.isfinite(cell).all(axis=(1, 2))):
+        raise StructureError(
+            int(index), "cell", "contains NaN or inf", "set a finite cell"
+        )
+    zero_rows = np.linalg.norm(cell, axis=2) == 0.0
+    for index, axis in zip(*np.nonzero(zero_rows & pbc), strict=True):
+        raise StructureError(
+            int(index),
+            "cell",
+            f"axis {axis} is periodic (pbc[{axis}] is True) but cell vector {axis} "
+            "is zero",
+            f"set that lattice vector, or make the axis non-periodic "
+            f"(atoms.pbc[{axis}] = False) and add vacuum with "
+            f"atoms.center(vacuum=10.0, axis={axis})",
+        )
+    periodic_only = np.where(pbc[:, :, None], cell, 0.0)
+    for index in np.flatnonzero(pbc.any(axis=1)):
+        rows = periodic_only[index][pbc[index]]
+        if np.linalg.matrix_rank(rows, tol=1e-8 * np.abs(rows).max()) < rows.shape[0]:
+            raise StructureError(
+                int(index),
+                "cell",
+                f"its periodic lattice vectors are linearly dependent "
+                f"({rows.tolist()})",
+                "give independent lattice vectors",
+            )
+
+
+def _gather_masses(
+    atoms_list: list[Atoms], numbers: npt.NDArray[Any], ptr: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    masses = ase_default_masses[numbers].astype(np.float64)
+    for index, atoms in enumerate(atoms_list):
+        custom = atoms.arrays.get("masses")
+        if custom is not None:
+            masses[ptr[index] : ptr[index + 1]] = custom
+    bad = np.flatnonzero(~(masses > 0) | ~np.isfinite(masses))
+    if bad.size:
+        structure, atom = _structure_of(int(bad[0]), ptr)
+        raise StructureError(
+            structure,
+            f"masses[{atom}]",
+            f"mass {masses[bad[0]]} is not positive",
+            "set positive masses in amu (atoms.set_masses)",
+        )
+    return masses
+
+
+def _gather_velocities(
+    atoms_list: list[Atoms], masses: npt.NDArray[np.float64], ptr: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float64]:
+    momenta = np.zeros((int(ptr[-1]), 3))
+    for index, atoms in enumerate(atoms_list):
+        atoms_momenta = atoms.arrays.get("momenta")
+        if atoms_momenta is not None:
+            momenta[ptr[index] : ptr[index + 1]] = atoms_momenta
+    bad = np.flatnonzero(~np.isfinite(momenta).all(axis=1))
+    if bad.size:
+        structure, atom = _structure_of(int(bad[0]), ptr)
+        raise StructureError(
+            structure,
+            f"momenta[{atom}]",
+            "is not finite",
+            "fix the momenta or remove them with atoms.set_momenta(None)",
+        )
+    return momenta_to_velocities(momenta, masses)
+
+
+def _gather_frozen(
+    atoms_list: list[Atoms], ptr: npt.NDArray[np.int64]
+) -> npt.NDArray[np.bool_]:
+    frozen = np.zeros(int(ptr[-1]), dtype=bool)
+    for index, atoms in enumerate(atoms_list):
+        for constraint in atoms.constraints:
+            if isinstance(constraint, FixAtoms):
+                frozen[ptr[index] + np.asarray(constraint.index, dtype=np.int64)] = True
+    return frozen
+
+
+def _gather_optional_array(
+    atoms_list: list[Atoms], key: str, dtype: type
+) -> npt.NDArray[Any] | None:
+    if not any(key in atoms.arrays for atoms in atoms_list):
+        return None
+    values = [
+        atoms.arrays[key] if key in atoms.arrays else np.zeros(len(atoms))
+        for atoms in atoms_list
+    ]
+    return np.concatenate(values).astype(dtype)
+
+
+def _gather_info_number(
+    atoms_list: list[Atoms], key: str
+) -> npt.NDArray[np.float64] | None:
+    if not any(key in atoms.info for atoms in atoms_list):
+        return None
+    values = np.zeros(len(atoms_list))
+    for index, atoms in enumerate(atoms_list):
+        value = atoms.info.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            raise StructureError(
+                index,
+                f'info["{key}"]',
+                f"{value!r} is not a number",
+                f'set atoms.info["{key}"] to an int',
+            )
+        values[index] = value
+    return values
+
+
+def _warn_not_carried(atoms_list: list[Atoms]) -> None:
+    dropped: set[str] = set()
+    for atoms in atoms_list:
+        dropped.update(
+            f'arrays["{key}"]' for key in atoms.arrays.keys() - _CARRIED_ARRAYS
+        )
+        dropped.update(f'info["{key}"]' for key in atoms.info.keys() - _CARRIED_INFO)
+        dropped.update(
+            f"constraint {type(c).__name__}"
+            for c in atoms.constraints
+            if not isinstance(c, FixAtoms)
+        )
+    for key in sorted(dropped - _warned_keys):
+        _warned_keys.add(key)
+        warnings.warn(
+            f"{key} has no nvalchemi Batch field and is not carried into the batch "
+            "(update_atoms writes back into the original Atoms, which keep it)",
+            NotCarriedWarning,
+            stacklevel=3,
+        )
+
+
+# --------------------------------------------------------------------------
+# Stacked arrays -> Batch
+# --------------------------------------------------------------------------
+
+
+def _padded_cells(
+    cell: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+    positions: npt.NDArray[np.float64],
+    ptr: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    """Replace zero, non-periodic cell vectors by orthogonal stand-ins.
+
+    nvalchemi's neighbour lists and models need an invertible cell for every
+    graph once any graph in the batch is periodic. A stand-in vector is
+    orthogonal to the structure's other cell vectors and only spans the
+    structure (its length is the structure's extent along it plus 1 Å); no
+    periodic image is ever generated along it because its ``pbc`` entry is False.
+    Molecules (three stand-ins) and slabs (one) are handled in bulk; the rare
+    wire (two stand-ins) one structure at a time.
+    """
+    padding = (np.linalg.norm(cell, axis=2) == 0.0) & ~pbc
+    padded = cell.copy()
+    n_padded = padding.sum(axis=1)
+    starts = ptr[:-1]
+
+    molecules = np.flatnonzero(n_padded == 3)
+    if molecules.size:
+        extent = (
+            np.maximum.reduceat(positions, starts)[molecules]
+            - np.minimum.reduceat(positions, starts)[molecules]
+        )
+        padded[molecules] = np.eye(3) * (extent + 1.0)[:, None, :]
+
+    slabs, slab_axis = np.nonzero(padding & (n_padded == 1)[:, None])
+    if slabs.size:
+        first = cell[slabs, (slab_axis + 1) % 3]
+        second = cell[slabs, (slab_axis + 2) % 3]
+        normal = np.cross(first, second)  # cyclic order keeps det(cell) > 0
+        normal /= np.linalg.norm(normal, axis=1, keepdims=True)
+        structure_of_atom = np.repeat(np.arange(len(cell)), np.diff(ptr))
+        normal_of_atom = np.zeros((len(positions), 3))
+        normal_by_structure = np.zeros((len(cell), 3))
+        normal_by_structure[slabs] = normal
+        normal_of_atom[:] = normal_by_structure[structure_of_atom]
+        height = np.einsum("ij,ij->i", positions, normal_of_atom)
+        extent = np.maximum.reduceat(height, starts) - np.minimum.reduceat(
+            height, starts
+        )
+        padded[slabs, slab_axis] = normal * (extent[slabs] + 1.0)[:, None]
+
+    for index in np.flatnonzero(n_padded == 2):
+        rows = padded[index]
+        kept = [rows[k] for k in range(3) if not padding[index, k]]
+        for axis in np.flatnonzero(padding[index]):
+            direction = _orthogonal_direction(kept, preferred_axis=int(axis))
+            coords = positions[ptr[index] : ptr[index + 1]] @ direction
+            rows[axis] = direction * (np.ptp(coords) + 1.0)
+            kept.append(rows[axis])
+        if np.linalg.det(rows) < 0:
+            rows[np.flatnonzero(padding[index])[0]] *= -1.0
+    return padded, padding
+
+
+def _orthogonal_direction(
+    kept: list[npt.NDArray[np.float64]], preferred_axis: int
+) -> npt.NDArray[np.float64]:
+    """Return a unit vector orthogonal to ``kept``, near a Cartesian axis."""
+    for offset in range(3):
+        vector = np.eye(3)[(preferred_axis + offset) % 3]
+        for _ in range(2):  # two Gram-Schmidt passes for numerical orthogonality
+            for other in kept:
+                unit = other / np.linalg.norm(other)
+                vector = vector - (vector @ unit) * unit
+        if np.linalg.norm(vector) > 1e-6:
+            return vector / np.linalg.norm(vector)
+    raise AssertionError("three kept vectors leave no orthogonal direction")
+
+
+def _build_batch(stacked: _Stacked, device: torch.device, dtype: torch.dtype) -> Batch:
+    level_storage = import_quietly("nvalchemi.data.level_storage")
+    data_module = import_quietly("nvalchemi.data")
+
+    ptr = np.concatenate([[0], np.cumsum(stacked.counts_b)])
+    cell, padding = _padded_cells(
+        stacked.cell_b, stacked.pbc_b, stacked.positions_v, ptr
+    )
+
+    def floating(array: npt.NDArray[Any]) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, dtype)
+
+    def exact(array: npt.NDArray[Any], int_dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device, int_dtype)
+
+    categories = np.where(stacked.frozen_v, FROZEN_CATEGORY, 0)
+    atom_fields = {
+        "positions": floating(stacked.positions_v),
+        "atomic_numbers": exact(stacked.numbers_v, torch.int32),
+        "atomic_masses": floating(stacked.masses_v),
+        "atom_categories": exact(categories, torch.int64),
+        "velocities": floating(stacked.velocities_v),
+    }
+    if stacked.charges_v is not None:
+        atom_fields["charges"] = floating(stacked.charges_v)
+    if stacked.tags_v is not None:
+        atom_fields["tags"] = exact(stacked.tags_v, torch.int64)
+
+    system_fields = {
+        "cell": floating(cell),
+        "pbc": exact(stacked.pbc_b, torch.bool),
+        "cell_padding": exact(padding, torch.bool),
+    }
+    if stacked.charge_b is not None:
+        system_fields["charge"] = floating(stacked.charge_b[:, None])
+    if stacked.spin_b is not None:
+        system_fields["spin"] = floating(stacked.spin_b[:, None])
+
+    schema = data_module.LevelSchema()
+    for key, value in atom_fields.items():
+        schema.set(key, "atoms", dtype=value.dtype, is_segmented=True)
+    for key, value in system_fields.items():
+        schema.set(key, "system", dtype=value.dtype, is_segmented=False)
+    groups = {
+        "atoms": level_storage.SegmentedLevelStorage(
+            data=atom_fields,
+            device=device,
+            attr_map=schema,
+            segment_lengths=stacked.counts_b.tolist(),
+            validate=False,
+        ),
+        "system": level_storage.UniformLevelStorage(
+            data=system_fields, device=device, attr_map=schema, validate=False
+        ),
+    }
+    storage = level_storage.MultiLevelStorage(
+        groups=groups, attr_map=schema, validate=False, device=device
+    )
+    keys = {"node": set(atom_fields), "edge": set(), "system": set(system_fields)}
+    return data_module.Batch(device=device, storage=storage, keys=keys)
+
+
+# --------------------------------------------------------------------------
+# Batch -> host NumPy arrays -> Atoms
+# --------------------------------------------------------------------------
+
+
+class _HostCopy:
+    """One device-to-host transfer per field, then per-structure NumPy views."""
+
+    def __init__(
+        self, batch: Batch, outputs: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        self._batch = batch
+        self._outputs = outputs or {}
+        self._cache: dict[str, npt.NDArray[Any] | None] = {}
+        self._flags: dict[str, npt.NDArray[np.bool_]] = {}
+        self.ptr = batch.batch_ptr.detach().cpu().numpy().astype(np.int64)
+        self.num_graphs = int(batch.num_graphs)
+
+    def optional(self, key: str) -> npt.NDArray[Any] | None:
+        if key not in self._cache:
+            value = self._outputs.get(key)
+            if value is None:
+                value = batch_field(self._batch, key)
+            self._cache[key] = None if value is None else _to_numpy(value)
+        return self._cache[key]
+
+    def output_only(self, key: str) -> npt.NDArray[Any] | None:
+        value = self._outputs.get(key)
+        return None if value is None else _to_numpy(value)
+
+    def required(self, key: str) -> npt.NDArray[Any]:
+        value = self.optional(key)
+        if value is None:
+            raise ValueError(f"the batch has no '{key}' field")
+        return value
+
+    def split(self, key: str, index: int) -> npt.NDArray[Any]:
+        return self.required(key)[self.ptr[index] : self.ptr[index + 1]]
+
+    def system(self, key: str, index: int) -> npt.NDArray[Any]:
+        if key == "cell_padding" and self.optional(key) is None:
+            return np.zeros(3, dtype=bool)
+        if key == "pbc" and self.optional(key) is None:
+            return np.zeros(3, dtype=bool)
+        if key == "cell" and self.optional(key) is None:
+            return np.zeros((3, 3))
+        return self.required(key)[index]
+
+    def cell(self, index: int) -> npt.NDArray[np.float64]:
+        cell = self.system("cell", index).copy()
+        cell[self.system("cell_padding", index)] = 0.0
+        return cell
+
+    def any_per_structure(self, flag: str) -> npt.NDArray[np.bool_]:
+        """Return, per structure, whether any atom has ``flag`` (bulk, cached).
+
+        ``custom_masses``: a mass differs from ASE's default for its element;
+        ``moving``: a velocity is non-zero; ``frozen``: an atom is frozen.
+        """
+        if flag not in self._flags:
+            per_atom = self._atom_flag(flag).astype(np.int64)
+            self._flags[flag] = np.add.reduceat(per_atom, self.ptr[:-1]) > 0
+        return self._flags[flag]
+
+    def _atom_flag(self, flag: str) -> npt.NDArray[np.bool_]:
+        if flag == "custom_masses":
+            numbers = self.required("atomic_numbers")
+            masses = self.required("atomic_masses")
+            return ~np.isclose(masses, ase_default_masses[numbers], rtol=1e-6, atol=0.0)
+        if flag == "moving":
+            velocities = self.optional("velocities")
+            if velocities is None:
+                return np.zeros(int(self.ptr[-1]), dtype=bool)
+            return np.any(velocities != 0.0, axis=1)
+        if flag == "frozen":
+            categories = self.optional("atom_categories")
+            if categories is None:
+                return np.zeros(int(self.ptr[-1]), dtype=bool)
+            return categories == FROZEN_CATEGORY
+        raise KeyError(flag)
+
+    def has_full_cell(self) -> npt.NDArray[np.bool_]:
+        """Return, per structure, whether its ASE cell has rank 3 (stress rule)."""
+        cells = self.optional("cell")
+        if cells is None:
+            return np.zeros(self.num_graphs, dtype=bool)
+        padding = self.optional("cell_padding")
+        if padding is None:
+            padding = np.zeros((self.num_graphs, 3), dtype=bool)
+        volume = np.abs(np.linalg.det(cells))
+        scale = np.linalg.norm(cells, axis=2).prod(axis=1)
+        return (~padding.any(axis=1)) & (volume > 1e-10 * np.maximum(scale, 1e-300))
+
+
+def _to_numpy(tensor: torch.Tensor) -> npt.NDArray[Any]:
+    tensor = tensor.detach()
+    if tensor.is_floating_point():
+        tensor = tensor.to(torch.float64)
+    return tensor.cpu().numpy()
+
+
+def batch_field(batch: Batch, key: str) -> torch.Tensor | None:
+    """Return ``batch.<key>`` or ``None`` when the batch has no such field.
+
+    Parameters
+    ----------
+    batch : nvalchemi.data.Batch
+        Any batch.
+    key : str
+        Field name.
+
+    Returns
+    -------
+    torch.Tensor or None
+        The stored tensor (not a copy).
+    """
+    if key not in batch:
+        return None
+    value = batch[key]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _restore_optional_fields(atoms: Atoms, host: _HostCopy, index: int) -> None:
+    if host.any_per_structure("custom_masses")[index]:
+        atoms.set_masses(host.split("atomic_masses", index))
+    if host.any_per_structure("moving")[index]:
+        velocities = host.split("velocities", index)
+        atoms.set_momenta(velocities_to_momenta(velocities, atoms.get_masses()))
+    if host.optional("charges") is not None:
+        atoms.set_initial_charges(host.split("charges", index))
+    if host.optional("tags") is not None:
+        atoms.set_tags(host.split("tags", index).astype(int))
+    for key in sorted(_CARRIED_INFO):
+        values = host.optional(key)
+        if values is not None:
+            value = float(values[index].reshape(-1)[0])
+            atoms.info[key] = int(value) if value.is_integer() else value
+    if host.any_per_structure("frozen")[index]:
+        categories = host.split("atom_categories", index)
+        atoms.set_constraint(
+            FixAtoms(indices=np.flatnonzero(categories == FROZEN_CATEGORY))
+        )
+
+
+def _check_same_shape(atoms_list: list[Atoms], host: _HostCopy) -> None:
+    if len(atoms_list) != host.num_graphs:
+        raise ValueError(
+            f"update_atoms got {len(atoms_list)} structures for a batch of "
+            f"{host.num_graphs} graphs; pass the list the batch was built from"
+        )
+    counts = np.diff(host.ptr)
+    for index, atoms in enumerate(atoms_list):
+        if len(atoms) != counts[index]:
+            raise ValueError(
+                f"images[{index}] has {len(atoms)} atoms but graph {index} of the "
+                f"batch has {counts[index]}; pass the list the batch was built from"
+            )
+
+
+def _write_momenta(atoms: Atoms, host: _HostCopy, index: int) -> None:
+    if host.optional("velocities") is None:
+        return
+    velocities = host.split("velocities", index)
+    if "momenta" in atoms.arrays or np.any(velocities != 0.0):
+        atoms.set_momenta(velocities_to_momenta(velocities, atoms.get_masses()))
+
+
+def _store_results(atoms: Atoms, results: dict[str, Any]) -> None:
+    calc = atoms.calc
+    if calc is not None and hasattr(calc, "store_results"):
+        calc.store_results(atoms, results)
+    elif calc is None or isinstance(calc, SinglePointCalculator):
+        atoms.calc = SinglePointCalculator(atoms, **results)

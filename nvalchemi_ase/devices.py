@@ -1,0 +1,89 @@
+"""Device and floating-point precision choices, resolved in one place.
+
+``device=None`` everywhere in :mod:`nvalchemi_ase` means "CUDA when available,
+else CPU"; ``dtype`` accepts a ``torch.dtype`` or its name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DtypeLike", "resolve_device", "resolve_dtype"]
+
+DtypeLike = torch.dtype | str | None
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "single": torch.float32,
+    "fp32": torch.float32,
+    "float64": torch.float64,
+    "double": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+def resolve_device(device: torch.device | str | None = None) -> torch.device:
+    """Return the torch device to run on.
+
+    Parameters
+    ----------
+    device : torch.device or str or None
+        ``None`` picks ``cuda`` when ``torch.cuda.is_available()``, else ``cpu``.
+
+    Returns
+    -------
+    torch.device
+        The resolved device.
+
+    Raises
+    ------
+    ValueError
+        If CUDA is requested but not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r} was requested but CUDA is not available on "
+            "this machine; use device='cpu' or device=None (CUDA when available)"
+        )
+    return resolved
+
+
+def resolve_dtype(
+    dtype: DtypeLike, default: torch.dtype = torch.float64
+) -> torch.dtype:
+    """Return a floating torch dtype from a dtype, its name, or ``None``.
+
+    Parameters
+    ----------
+    dtype : torch.dtype or str or None
+        ``torch.float32``/``torch.float64`` or a name such as ``"float32"``;
+        ``None`` returns ``default``.
+    default : torch.dtype
+        Returned when ``dtype`` is ``None``.
+
+    Returns
+    -------
+    torch.dtype
+        ``torch.float32`` or ``torch.float64``.
+
+    Raises
+    ------
+    ValueError
+        If ``dtype`` is not a supported floating dtype.
+    """
+    if dtype is None:
+        return default
+    if isinstance(dtype, str):
+        resolved = _DTYPE_NAMES.get(dtype.lower().removeprefix("torch."))
+    else:
+        resolved = dtype if dtype in (torch.float32, torch.float64) else None
+    if resolved is None:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use torch.float32, torch.float64, "
+            "'float32' or 'float64'"
+        )
+    return resolved

@@ -1,0 +1,163 @@
+"""Models by name, and what the rest of the package needs to know about a model.
+
+``load_model(name, **params)`` builds an nvalchemi model wrapper (a
+``BaseModelMixin``) from a short name; every function in :mod:`nvalchemi_ase`
+that takes a model also accepts any ``BaseModelMixin`` instance directly.
+
+=================  ==========================================  =====================
+name               model                                       parameters (units)
+=================  ==========================================  =====================
+``"lj"``           ``LennardJonesModelWrapper`` (analytic,     ``epsilon`` (eV),
+                   one species, energy unshifted, optional     ``sigma`` (Å),
+                   C2 switch)                                  ``cutoff`` (Å),
+                                                               ``switch_width`` (Å)
+``"demo"``         ``DemoModelWrapper(DemoModel())`` (random   ``seed``,
+                   weights; a test model, not physics)         ``hidden_dim``
+=================  ==========================================  =====================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nvalchemi_ase.models import builtin
+
+if TYPE_CHECKING:
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = [
+    "available_models",
+    "is_model",
+    "load_model",
+    "model_native_dtype",
+    "resolve_model",
+]
+
+_FACTORIES: dict[str, Callable[..., BaseModelMixin]] = {
+    "lj": builtin.lennard_jones,
+    "demo": builtin.demo,
+}
+
+
+def available_models() -> list[str]:
+    """Names accepted by :func:`load_model`.
+
+    Returns
+    -------
+    list of str
+        Sorted model names.
+    """
+    return sorted(_FACTORIES)
+
+
+def load_model(name: str, **params: Any) -> BaseModelMixin:
+    """Build an nvalchemi model from its short name.
+
+    Parameters
+    ----------
+    name : str
+        One of :func:`available_models` (case-insensitive), e.g. ``"lj"``.
+    **params
+        Model parameters, in ASE units (see the table in this module's docstring).
+
+    Returns
+    -------
+    nvalchemi.models.base.BaseModelMixin
+        A fresh model on the CPU; calculators and dynamics move it to their device.
+
+    Raises
+    ------
+    ValueError
+        For an unknown name (the known names are listed).
+    ImportError
+        When the model's optional package is missing (the extra to install is
+        named).
+    TypeError
+        For a parameter the model does not take.
+    """
+    factory = _FACTORIES.get(name.lower())
+    if factory is None:
+        raise ValueError(
+            f"unknown model {name!r}; known models: {', '.join(available_models())} "
+            "(or pass any nvalchemi BaseModelMixin instance)"
+        )
+    return factory(**params)
+
+
+def is_model(obj: object) -> bool:
+    """Whether ``obj`` is an nvalchemi ``BaseModelMixin`` (without importing nvalchemi).
+
+    Parameters
+    ----------
+    obj : object
+        Anything.
+
+    Returns
+    -------
+    bool
+        True for nvalchemi model wrappers.
+    """
+    return any(
+        cls.__name__ == "BaseModelMixin" and cls.__module__.startswith("nvalchemi.")
+        for cls in type(obj).__mro__
+    )
+
+
+def resolve_model(model: BaseModelMixin | str, **params: Any) -> BaseModelMixin:
+    """Return ``model`` itself, or :func:`load_model` of a name.
+
+    Parameters
+    ----------
+    model : BaseModelMixin or str
+        An nvalchemi model or a name for :func:`load_model`.
+    **params
+        Passed to :func:`load_model` when ``model`` is a name.
+
+    Returns
+    -------
+    BaseModelMixin
+        The model.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is neither, or parameters are given with a model instance.
+    """
+    if isinstance(model, str):
+        return load_model(model, **params)
+    if not is_model(model):
+        raise TypeError(
+            f"model must be an nvalchemi BaseModelMixin or a name from "
+            f"{available_models()}, got {type(model).__name__}"
+        )
+    if params:
+        raise TypeError(
+            f"model parameters {sorted(params)} can only be given with a model name; "
+            "configure a model instance before passing it"
+        )
+    return model
+
+
+def model_native_dtype(model: BaseModelMixin) -> torch.dtype | None:
+    """Return the floating dtype of a model's weights, or None for weightless models.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        Any nvalchemi model.
+
+    Returns
+    -------
+    torch.dtype or None
+        dtype of the first floating parameter or buffer (e.g. float32 for
+        SevenNet-0 and the demo model); None for analytic models such as LJ.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None

@@ -1,0 +1,80 @@
+"""Factories for the models nvalchemi ships: Lennard-Jones and the demo model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from nvalchemi_ase._quiet import import_quietly
+
+if TYPE_CHECKING:
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = ["ARGON", "demo", "lennard_jones"]
+
+#: Lennard-Jones parameters of argon (eV, Å, Å): the defaults of ``"lj"``.
+ARGON = {"epsilon": 0.0104, "sigma": 3.40, "cutoff": 8.5}
+
+
+def lennard_jones(
+    epsilon: float = ARGON["epsilon"],
+    sigma: float = ARGON["sigma"],
+    cutoff: float = ARGON["cutoff"],
+    switch_width: float = 0.0,
+) -> BaseModelMixin:
+    """Nvalchemi's Warp Lennard-Jones model (one species; atomic numbers ignored).
+
+    Parameters
+    ----------
+    epsilon : float
+        Well depth, eV.
+    sigma : float
+        Zero-crossing distance, Å.
+    cutoff : float
+        Cutoff radius, Å. The energy is *not* shifted to zero there (ASE's
+        ``LennardJones`` is), so energies differ from ASE's by
+        ``n_pairs * u(cutoff)``; forces and stress are identical.
+    switch_width : float
+        Width, Å, of nvalchemi's C2 switching region ending at the cutoff; 0 is
+        a hard cutoff. Use about 1.5 Å for energy-conserving MD.
+
+    Returns
+    -------
+    BaseModelMixin
+        ``LennardJonesModelWrapper`` with energy, forces and (opt-in) stress.
+    """
+    for name, value in (("epsilon", epsilon), ("sigma", sigma), ("cutoff", cutoff)):
+        if not value > 0:
+            raise ValueError(f"lj: {name} must be positive, got {value}")
+    if not 0 <= switch_width < cutoff:
+        raise ValueError(
+            f"lj: switch_width must be in [0, cutoff={cutoff}), got {switch_width}"
+        )
+    lj = import_quietly("nvalchemi.models.lj")
+    return lj.LennardJonesModelWrapper(
+        epsilon=epsilon, sigma=sigma, cutoff=cutoff, switch_width=switch_width
+    )
+
+
+def demo(seed: int = 0, hidden_dim: int = 64) -> BaseModelMixin:
+    """Nvalchemi's demo model with reproducible random weights (not physical).
+
+    Parameters
+    ----------
+    seed : int
+        Seed for the weight initialisation; the global torch RNG is untouched.
+    hidden_dim : int
+        Width of the hidden layers.
+
+    Returns
+    -------
+    BaseModelMixin
+        ``DemoModelWrapper(DemoModel(hidden_dim=hidden_dim))``: energy and
+        autograd forces from a point cloud, no neighbour list, no PBC, no stress.
+    """
+    demo_module = import_quietly("nvalchemi.models.demo")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        network = demo_module.DemoModel(hidden_dim=hidden_dim)
+    return demo_module.DemoModelWrapper(network)

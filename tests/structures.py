@@ -1,0 +1,87 @@
+"""A catalogue of structures every layer is tested on (argon, for the LJ model)."""
+
+from __future__ import annotations
+
+import numpy as np
+from ase import Atoms
+from ase.build import bulk, fcc111
+from ase.cluster import Icosahedron
+
+A_AR = 5.26  # Å, fcc argon
+
+
+def rattled_bulk(repeat: int = 3, seed: int = 1, stdev: float = 0.05) -> Atoms:
+    atoms = bulk("Ar", "fcc", a=A_AR, cubic=True).repeat((repeat,) * 3)
+    atoms.rattle(stdev, seed=seed)
+    return atoms
+
+
+def triclinic() -> Atoms:
+    cell = np.array([[5.4, 0.0, 0.0], [1.3, 5.6, 0.0], [0.9, 1.2, 5.9]])
+    rng = np.random.default_rng(7)
+    frac = np.array([[0, 0, 0], [0.5, 0.5, 0], [0.5, 0, 0.5], [0, 0.5, 0.5]])
+    atoms = Atoms("Ar4", scaled_positions=frac, cell=cell, pbc=True)
+    atoms.positions += rng.normal(scale=0.08, size=(4, 3))
+    return atoms
+
+
+def slab() -> Atoms:
+    """fcc(111), pbc (T, T, F) and a zero third cell vector, rattled."""
+    atoms = fcc111("Ar", size=(3, 3, 3), a=A_AR, vacuum=None)
+    atoms.pbc = (True, True, False)
+    atoms.info.pop("adsorbate_info")  # ASE's site helper, not simulation data
+    atoms.rattle(0.05, seed=3)
+    return atoms
+
+
+def cluster() -> Atoms:
+    """Ar55 icosahedron: no pbc, zero cell."""
+    atoms = Icosahedron("Ar", noshells=3, latticeconstant=A_AR)
+    atoms.rattle(0.05, seed=4)
+    return atoms
+
+
+def one_atom_cell() -> Atoms:
+    """One atom in a primitive fcc cell: every vector (3.7 Å) is below the cutoff."""
+    return bulk("Ar", "fcc", a=A_AR)
+
+
+def small_cell_rattled() -> Atoms:
+    """Two atoms in a cell smaller than the 8.5 Å cutoff, off equilibrium."""
+    atoms = bulk("Ar", "fcc", a=A_AR).repeat((2, 1, 1))
+    atoms.positions[1] += [0.15, -0.1, 0.05]
+    return atoms
+
+
+def left_handed() -> Atoms:
+    """A rattled cubic crystal whose cell has a negative determinant."""
+    atoms = rattled_bulk(repeat=2, seed=5)
+    cell = atoms.cell.array.copy()
+    cell[[0, 1]] = cell[[1, 0]]
+    atoms.set_cell(cell)
+    return atoms
+
+
+CATALOGUE = {
+    "bulk": rattled_bulk,
+    "triclinic": triclinic,
+    "slab": slab,
+    "cluster": cluster,
+    "one_atom": one_atom_cell,
+    "small_cell": small_cell_rattled,
+    "left_handed": left_handed,
+}
+
+
+def thermalize(atoms: Atoms, temperature_K: float, seed: int) -> Atoms:
+    """Maxwell-Boltzmann momenta (ASE >= 3.29 renamed the function)."""
+    from ase.md import velocitydistribution
+
+    rng = np.random.default_rng(seed)
+    if hasattr(velocitydistribution, "thermalize_momenta"):
+        velocitydistribution.thermalize_momenta(atoms, temperature_K, rng=rng)
+    else:  # pragma: no cover - ASE < 3.29
+        velocitydistribution.MaxwellBoltzmannDistribution(
+            atoms, temperature_K=temperature_K, rng=rng
+        )
+    return atoms

@@ -1,0 +1,325 @@
+"""The Atoms <-> Batch adapter: lossless, vectorised, validated."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms, units
+from ase.build import molecule
+from ase.calculators.singlepoint import SinglePointCalculator
+from ase.constraints import FixAtoms, FixBondLength
+
+from nvalchemi_ase.convert import (
+    FROZEN_CATEGORY,
+    NotCarriedWarning,
+    StructureError,
+    atoms_to_batch,
+    batch_to_atoms,
+    update_atoms,
+)
+from tests.structures import CATALOGUE, cluster, rattled_bulk, slab, thermalize
+
+
+def mixed_images() -> list[Atoms]:
+    """Every carried field, on bulk, slab, molecule, 1-atom and left-handed cells."""
+    crystal = thermalize(rattled_bulk(repeat=2), 50.0, seed=1)
+    masses = crystal.get_masses()
+    masses[::3] = 36.0  # an isotope
+    crystal.set_masses(masses)
+    crystal.set_constraint(FixAtoms(indices=[0, 5]))
+    crystal.info["charge"] = -1
+    surface = slab()
+    surface.set_tags(np.arange(len(surface)) % 3)
+    surface.set_initial_charges(np.linspace(-0.5, 0.5, len(surface)))
+    mol = molecule("CH3CH2OH")
+    mol.info["spin"] = 2
+    mol.info["charge"] = 1
+    thermalize(mol, 300.0, seed=2)
+    single = CATALOGUE["one_atom"]()
+    lefty = CATALOGUE["left_handed"]()
+    return [crystal, surface, mol, single, lefty]
+
+
+def snapshot(atoms: Atoms) -> dict:
+    return {
+        "arrays": {k: v.copy() for k, v in atoms.arrays.items()},
+        "cell": atoms.cell.array.copy(),
+        "pbc": atoms.pbc.copy(),
+        "info": dict(atoms.info),
+        "constraints": [c.todict() for c in atoms.constraints],
+        "calc": atoms.calc,
+    }
+
+
+def assert_same_snapshot(before: dict, atoms: Atoms) -> None:
+    after = snapshot(atoms)
+    assert before["arrays"].keys() == after["arrays"].keys()
+    for key, value in before["arrays"].items():
+        np.testing.assert_array_equal(value, after["arrays"][key])
+    np.testing.assert_array_equal(before["cell"], after["cell"])
+    np.testing.assert_array_equal(before["pbc"], after["pbc"])
+    assert before["info"] == after["info"]
+    assert before["constraints"] == after["constraints"]
+    assert before["calc"] is after["calc"]
+
+
+def test_round_trip_keeps_every_carried_field():
+    images = mixed_images()
+    back = batch_to_atoms(atoms_to_batch(images, device="cpu"))
+    assert len(back) == len(images)
+    for original, restored in zip(images, back, strict=True):
+        np.testing.assert_array_equal(restored.numbers, original.numbers)
+        np.testing.assert_allclose(
+            restored.positions, original.positions, rtol=0, atol=1e-14
+        )
+        np.testing.assert_allclose(restored.cell.array, original.cell.array, atol=1e-14)
+        np.testing.assert_array_equal(restored.pbc, original.pbc)
+        np.testing.assert_allclose(
+            restored.get_masses(), original.get_masses(), rtol=1e-15
+        )
+        assert ("masses" in restored.arrays) == ("masses" in original.arrays)
+        np.testing.assert_allclose(
+            restored.get_momenta(), original.get_momenta(), rtol=1e-13, atol=1e-15
+        )
+        assert ("momenta" in restored.arrays) == ("momenta" in original.arrays)
+        np.testing.assert_allclose(
+            restored.get_initial_charges(), original.get_initial_charges(), atol=1e-15
+        )
+        np.testing.assert_array_equal(restored.get_tags(), original.get_tags())
+        for key in ("charge", "spin"):
+            assert restored.info.get(key, 0) == original.info.get(key, 0)
+        assert [c.todict() for c in restored.constraints] == [
+            c.todict() for c in original.constraints
+        ]
+
+
+def test_conversion_does_not_modify_inputs():
+    images = mixed_images()
+    before = [snapshot(atoms) for atoms in images]
+    atoms_to_batch(images, device="cpu")
+    for snap, atoms in zip(before, images, strict=True):
+        assert_same_snapshot(snap, atoms)
+
+
+def test_fields_equal_nvalchemis_own_from_atoms_path():
+    from nvalchemi.data import AtomicData, Batch
+
+    images = [rattled_bulk(repeat=2), CATALOGUE["triclinic"](), CATALOGUE["one_atom"]()]
+    ours = atoms_to_batch(images, device="cpu", dtype=torch.float64)
+    theirs = Batch.from_data_list(
+        [AtomicData.from_atoms(a, dtype=torch.float64) for a in images]
+    )
+    for key in (
+        "positions",
+        "atomic_numbers",
+        "atomic_masses",
+        "cell",
+        "pbc",
+        "atom_categories",
+        "velocities",
+    ):
+        assert ours[key].dtype == theirs[key].dtype, key
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(ours.batch_ptr, theirs.batch_ptr)
+    torch.testing.assert_close(ours.batch_idx, theirs.batch_idx)
+
+
+def test_batch_layout_and_dtype():
+    images = [rattled_bulk(repeat=2), cluster()]
+    batch = atoms_to_batch(images, device="cpu", dtype="float32")
+    assert batch.num_graphs == 2
+    assert batch.num_nodes == sum(map(len, images))
+    assert batch.positions.dtype == torch.float32
+    assert batch.cell.shape == (2, 3, 3)
+    assert batch.pbc.tolist() == [[True] * 3, [False] * 3]
+    assert batch.atomic_numbers.dtype == torch.int32
+    assert batch.positions.device.type == "cpu"
+
+
+def test_single_atoms_becomes_one_graph():
+    batch = atoms_to_batch(rattled_bulk(repeat=2), device="cpu")
+    assert batch.num_graphs == 1
+
+
+def test_padding_vectors_are_orthogonal_right_handed_and_removed_on_return():
+    wire = Atoms(
+        "Ar3",
+        positions=[[0, 0, 0], [0.1, 0.2, 3.7], [0.3, -0.2, 7.4]],
+        cell=[0, 0, 11.1],
+        pbc=[False, False, True],
+    )
+    images = [slab(), cluster(), wire]
+    batch = atoms_to_batch(images, device="cpu")
+    cells = batch.cell.numpy()
+    padding = batch.cell_padding.numpy()
+    assert padding.tolist() == [[False, False, True], [True] * 3, [True, True, False]]
+    for cell, pad in zip(cells, padding, strict=True):
+        assert np.linalg.det(cell) > 0
+        for k in np.flatnonzero(pad):
+            for j in range(3):
+                if j != k:
+                    assert abs(cell[k] @ cell[j]) < 1e-9 * np.linalg.norm(cell[j]) ** 2
+    for original, restored in zip(images, batch_to_atoms(batch), strict=True):
+        np.testing.assert_array_equal(restored.cell.array, original.cell.array)
+
+
+def test_velocities_are_angstrom_per_ase_time_for_nvalchemis_integrator():
+    """Free atoms (beyond the cutoff) move by v * timestep under nvalchemi's NVE."""
+    from nvalchemi.dynamics import NVE
+
+    from nvalchemi_ase.models import load_model
+    from nvalchemi_ase.units import ase_time_to_fs
+
+    atoms = Atoms("Ar2", positions=[[0, 0, 0], [30.0, 0, 0]])
+    atoms.set_momenta([[4.0, -1.0, 0.5], [-2.0, 3.0, 1.0]])
+    timestep = 1.5 * units.fs
+    model = load_model("lj").to(dtype=torch.float64)
+    batch = atoms_to_batch(atoms, device="cpu")
+    engine = NVE(model, dt=ase_time_to_fs(timestep), hooks=model.make_neighbor_hooks())
+    engine.run(batch, n_steps=1)
+    moved = batch.positions.numpy() - atoms.positions
+    np.testing.assert_allclose(moved, atoms.get_velocities() * timestep, rtol=1e-12)
+
+
+def test_update_atoms_writes_state_and_results_in_place():
+    images = [rattled_bulk(repeat=2), cluster()]
+    batch = atoms_to_batch(images, device="cpu")
+    batch.positions += 0.01
+    batch.velocities[:] = 0.02
+    batch.cell[0] *= 1.01
+    batch.energy = torch.tensor([[-1.0], [-2.0]], dtype=torch.float64)
+    batch.forces = torch.full((batch.num_nodes, 3), 0.5, dtype=torch.float64)
+    batch.stress = torch.eye(3, dtype=torch.float64).expand(2, 3, 3).clone()
+    old_positions = [a.positions.copy() for a in images]
+    update_atoms(images, batch)
+    for atoms, old in zip(images, old_positions, strict=True):
+        np.testing.assert_allclose(atoms.positions, old + 0.01, atol=1e-14)
+        np.testing.assert_allclose(atoms.get_velocities(), 0.02, rtol=1e-14)
+        assert isinstance(atoms.calc, SinglePointCalculator)
+        np.testing.assert_array_equal(atoms.get_forces(), 0.5)
+    assert images[0].get_potential_energy() == -1.0
+    np.testing.assert_allclose(images[0].cell.array, 1.01 * 2 * 5.26 * np.eye(3))
+    np.testing.assert_allclose(images[0].get_stress(), [1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(images[1].cell.array, 0.0)  # padding not written
+
+
+def test_update_atoms_rejects_a_different_list_without_writing():
+    images = [rattled_bulk(repeat=2), cluster()]
+    batch = atoms_to_batch(images, device="cpu")
+    wrong = [images[1], images[0]]
+    before = [snapshot(a) for a in wrong]
+    with pytest.raises(ValueError, match=r"images\[0\] has 55 atoms but graph 0"):
+        update_atoms(wrong, batch)
+    for snap, atoms in zip(before, wrong, strict=True):
+        assert_same_snapshot(snap, atoms)
+
+
+def test_batch_to_atoms_attaches_results_with_stress_only_for_full_cells():
+    images = [rattled_bulk(repeat=2), slab()]
+    batch = atoms_to_batch(images, device="cpu")
+    batch.energy = torch.tensor([[-3.0], [-4.0]], dtype=torch.float64)
+    batch.forces = torch.zeros(batch.num_nodes, 3, dtype=torch.float64)
+    batch.stress = torch.zeros(2, 3, 3, dtype=torch.float64)
+    bulk_back, slab_back = batch_to_atoms(batch)
+    assert bulk_back.get_potential_energy() == -3.0
+    assert bulk_back.get_stress().shape == (6,)
+    assert slab_back.get_potential_energy() == -4.0
+    assert "stress" not in slab_back.calc.results
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "pattern"),
+    [
+        (
+            lambda a: a.positions.__setitem__((3, 1), np.nan),
+            "positions[3]",
+            "not finite",
+        ),
+        (
+            lambda a: a.positions.__setitem__((2, 0), np.inf),
+            "positions[2]",
+            "not finite",
+        ),
+        (lambda a: a.numbers.__setitem__(1, 0), "numbers[1]", "outside 1-118"),
+        (lambda a: a.numbers.__setitem__(4, 119), "numbers[4]", "outside 1-118"),
+        (lambda a: a.cell.__setitem__(2, 0.0), "cell", "periodic .* zero"),
+        (lambda a: a.set_masses(-np.ones(len(a))), "masses[0]", "not positive"),
+        (
+            lambda a: a.info.__setitem__("charge", "neutral"),
+            'info["charge"]',
+            "not a number",
+        ),
+    ],
+)
+def test_bad_input_names_structure_field_and_fix_and_mutates_nothing(
+    make, field, pattern
+):
+    good = rattled_bulk(repeat=2)
+    bad = rattled_bulk(repeat=2, seed=9)
+    make(bad)
+    images = [good, bad]
+    before = [snapshot(a) for a in images]
+    with pytest.raises(StructureError) as info:
+        atoms_to_batch(images, device="cpu")
+    message = str(info.value)
+    assert message.startswith(f"images[1].{field}:")
+    assert pattern.split(" ")[0] in message
+    assert ";" in message  # a fix follows the problem
+    assert info.value.index == 1
+    for snap, atoms in zip(before, images, strict=True):
+        assert_same_snapshot(snap, atoms)
+
+
+def test_empty_structure_and_empty_list_and_wrong_type():
+    with pytest.raises(
+        StructureError, match=r"images\[1\]\.numbers: the structure has no atoms"
+    ):
+        atoms_to_batch([cluster(), Atoms()], device="cpu")
+    with pytest.raises(ValueError, match="images is empty"):
+        atoms_to_batch([], device="cpu")
+    with pytest.raises(TypeError, match=r"images\[0\] is a str"):
+        atoms_to_batch(["Ar"], device="cpu")
+
+
+def test_fields_that_cannot_be_carried_warn_once_per_key():
+    import nvalchemi_ase.convert as convert
+
+    convert._warned_keys.clear()
+    atoms = cluster()
+    atoms.info["mood"] = "happy"
+    atoms.set_initial_magnetic_moments(np.ones(len(atoms)))
+    atoms.set_constraint(FixBondLength(0, 1))
+    with pytest.warns(NotCarriedWarning) as record:
+        atoms_to_batch([atoms, atoms.copy()], device="cpu")
+    messages = sorted(str(w.message).split(" has ")[0] for w in record)
+    assert messages == [
+        'arrays["initial_magmoms"]',
+        "constraint FixBondLengths",
+        'info["mood"]',
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        atoms_to_batch(atoms, device="cpu")  # second time: silent
+
+
+def test_frozen_atoms_become_nvalchemis_frozen_category():
+    atoms = rattled_bulk(repeat=2)
+    atoms.set_constraint(FixAtoms(mask=atoms.positions[:, 2] < 2.0))
+    batch = atoms_to_batch(atoms, device="cpu")
+    frozen = (batch.atom_categories == FROZEN_CATEGORY).numpy()
+    np.testing.assert_array_equal(frozen, atoms.positions[:, 2] < 2.0)
+
+
+def test_ten_thousand_structures_convert_in_one_pass():
+    images = [molecule("H2O") for _ in range(10_000)]
+    for index in (0, 4_321, 9_999):
+        images[index].positions += index
+    batch = atoms_to_batch(images, device="cpu")
+    assert batch.num_graphs == 10_000
+    assert batch.num_nodes == 30_000
+    back = batch_to_atoms(batch)
+    for index in (0, 4_321, 9_999):
+        np.testing.assert_allclose(back[index].positions, images[index].positions)

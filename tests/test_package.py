@@ -1,0 +1,130 @@
+"""Packaging and hygiene: silent lazy import, dependency direction, metadata."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import nvalchemi_ase
+
+PACKAGE = Path(nvalchemi_ase.__file__).parent
+ROOT = PACKAGE.parent
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_import_is_lazy_silent_and_leaves_warning_filters_alone():
+    code = """
+import sys, warnings
+warnings.simplefilter("error", UserWarning)
+before = list(warnings.filters)
+hook = sys.excepthook
+import nvalchemi_ase
+assert "nvalchemi" not in sys.modules and "torch" not in sys.modules, "not lazy"
+from ase.build import bulk
+atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
+atoms.calc = nvalchemi_ase.NVAlchemiCalculator("lj", device="cpu")
+atoms.get_potential_energy()
+from nvalchemi_ase._quiet import import_quietly
+import_quietly("nvalchemi.dynamics")
+# torch and scipy append narrow 'ignore' entries for their own messages when
+# imported; the caller's filters must all survive, and still be in charge.
+after = list(warnings.filters)
+assert [f for f in after if f in before] == before, "caller's filters changed"
+try:
+    warnings.warn("still an error", UserWarning)
+except UserWarning:
+    pass
+else:
+    raise AssertionError("a broad filter now overrides the caller's")
+assert sys.excepthook is hook, "excepthook changed"
+"""
+    result = run_python(code)
+    assert result.stdout == ""
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n.startswith("nvalchemi_ase")}
+
+
+# module (or package prefix) -> package modules it must not import
+FORBIDDEN = {
+    "nvalchemi_ase.units": ("nvalchemi_ase",),
+    "nvalchemi_ase.devices": ("nvalchemi_ase",),
+    "nvalchemi_ase.convert": (
+        "nvalchemi_ase.calculator",
+        "nvalchemi_ase.md",
+        "nvalchemi_ase.optimize",
+        "nvalchemi_ase.dynamics",
+        "nvalchemi_ase.cli",
+        "nvalchemi_ase.models",
+    ),
+    "nvalchemi_ase.calculator": (
+        "nvalchemi_ase.md",
+        "nvalchemi_ase.optimize",
+        "nvalchemi_ase.dynamics",
+        "nvalchemi_ase.cli",
+    ),
+    "nvalchemi_ase.models": (
+        "nvalchemi_ase.calculator",
+        "nvalchemi_ase.cli",
+        "nvalchemi_ase.dynamics",
+    ),
+    "nvalchemi_ase.dynamics": ("nvalchemi_ase.cli",),
+    "nvalchemi_ase.md": ("nvalchemi_ase.cli",),
+    "nvalchemi_ase.optimize": ("nvalchemi_ase.cli",),
+}
+
+
+def test_dependency_direction_units_convert_calculator_dynamics_cli():
+    violations = []
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        for owner, forbidden in FORBIDDEN.items():
+            if module == owner or module.startswith(owner + "."):
+                bad = {
+                    name
+                    for name in _imports(path)
+                    if any(name == f or name.startswith(f + ".") for f in forbidden)
+                    and not (name == owner or name.startswith(owner + "."))
+                }
+                violations.extend(f"{module} imports {name}" for name in sorted(bad))
+    assert violations == []
+
+
+def test_only_the_plugin_module_touches_ase_private_api():
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if "ase._4" in path.read_text() and path.name != "_ase_plugin.py"
+    ]
+    assert offenders == []
+
+
+def test_version_is_a_literal_and_metadata_is_installed():
+    from importlib.metadata import metadata, version
+
+    assert version("nvalchemi-ase") == nvalchemi_ase.__version__
+    requires = metadata("nvalchemi-ase").get_all("Requires-Dist")
+    assert any(r.startswith("nvalchemi-toolkit") and "<0.4" in r for r in requires)
+    assert (PACKAGE / "py.typed").exists()
