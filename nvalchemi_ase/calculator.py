@@ -11,6 +11,7 @@ Both go through the same code path: Atoms →
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +124,7 @@ class NVAlchemiCalculator(Calculator):
             **model_params,
         )
         self._stress_wanted = False
+        self._per_atoms_cache: dict[int, tuple[Any, Atoms, dict[str, Any]]] = {}
 
     # -- ASE protocol ---------------------------------------------------------
 
@@ -191,12 +193,62 @@ class NVAlchemiCalculator(Calculator):
         Parameters
         ----------
         atoms : ase.Atoms
-            The structure the results belong to (copied).
+            The structure the results belong to (its state is copied).
         results : dict
             ASE results as :func:`~nvalchemi_ase.convert.batch_results` makes them.
         """
         self.atoms = atoms.copy()
         self.results = dict(results)
+        self._remember(atoms)
+
+    def get_property(
+        self, name: str, atoms: Atoms | None = None, allow_calculation: bool = True
+    ) -> Any:
+        """ASE's ``get_property``, with one cache entry per structure.
+
+        ASE's calculators cache the results of the last structure only; this one
+        remembers the latest results of every live ``Atoms`` it served, so one
+        calculator shared by a list of structures (as batched dynamics leave
+        them) answers each without a new model call until that structure changes.
+
+        Parameters
+        ----------
+        name : str
+            Property name.
+        atoms : ase.Atoms, optional
+            The structure asked about.
+        allow_calculation : bool
+            Whether a model call may be made if no valid result is cached.
+
+        Returns
+        -------
+        Any
+            The property (arrays are fresh copies).
+        """
+        if atoms is None:
+            return super().get_property(name, atoms, allow_calculation)
+        self._recall(atoms)
+        value = super().get_property(name, atoms, allow_calculation)
+        self._remember(atoms)
+        return value
+
+    def reset(self) -> None:
+        """Forget every cached result (ASE's ``reset``, for all structures)."""
+        super().reset()
+        self._per_atoms_cache = {}
+
+    def _remember(self, atoms: Atoms) -> None:
+        if self.atoms is None:
+            return
+        cache = self._per_atoms_cache
+        for key in [key for key, entry in cache.items() if entry[0]() is None]:
+            del cache[key]
+        cache[id(atoms)] = (weakref.ref(atoms), self.atoms, self.results)
+
+    def _recall(self, atoms: Atoms) -> None:
+        entry = self._per_atoms_cache.get(id(atoms))
+        if entry is not None and entry[0]() is atoms:
+            self.atoms, self.results = entry[1], entry[2]
 
     # -- batched API ----------------------------------------------------------
 

@@ -101,6 +101,7 @@ _CARRIED_ARRAYS = frozenset(
 )
 _CARRIED_INFO = frozenset({"charge", "spin"})
 _MAX_ATOMIC_NUMBER = 118
+_ATOM_VECTORS = frozenset({"positions", "velocities", "forces"})
 _warned_keys: set[str] = set()
 
 
@@ -260,6 +261,9 @@ def update_atoms(
     batch: Batch,
     *,
     results: bool = True,
+    momenta: bool = True,
+    stress: bool = True,
+    rotation: npt.NDArray[np.float64] | None = None,
 ) -> None:
     """Write a batch's state back into existing ``Atoms``, in place.
 
@@ -280,6 +284,15 @@ def update_atoms(
         B graphs with the same atom counts.
     results : bool
         Also store energy/forces/stress as described above.
+    momenta : bool
+        Write momenta from the batch's velocities (False when the velocities
+        are an optimizer's internal state rather than physical).
+    stress : bool
+        Include the batch's stress in the results (False when it is stale).
+    rotation : numpy.ndarray, shape (B, 3, 3), optional
+        Orthogonal matrices R with which the batch holds each structure rotated
+        (``x_batch = x_ase @ R.T``, e.g. to a lower-triangular cell); positions,
+        velocities, cell, forces and stress are rotated back before writing.
 
     Raises
     ------
@@ -287,19 +300,23 @@ def update_atoms(
         If the numbers of structures or atoms differ (nothing is written).
     """
     atoms_list = as_atoms_list(images)
-    host = _HostCopy(batch)
+    host = _HostCopy(batch, rotation=rotation)
     _check_same_shape(atoms_list, host)
     result_dicts = _results_from_host(host) if results else None
     for index, atoms in enumerate(atoms_list):
         atoms.positions[:] = host.split("positions", index)
-        _write_momenta(atoms, host, index)
+        if momenta:
+            _write_momenta(atoms, host, index)
         padding = host.system("cell_padding", index)
         cell = atoms.cell.array.copy()
         new_cell = host.system("cell", index)
         cell[~padding] = new_cell[~padding]
         atoms.set_cell(cell)
         if result_dicts is not None and result_dicts[index]:
-            _store_results(atoms, result_dicts[index])
+            entry = result_dicts[index]
+            if not stress:
+                entry.pop("stress", None)
+            _store_results(atoms, entry)
 
 
 def batch_results(
@@ -706,10 +723,14 @@ class _HostCopy:
     """One device-to-host transfer per field, then per-structure NumPy views."""
 
     def __init__(
-        self, batch: Batch, outputs: Mapping[str, torch.Tensor] | None = None
+        self,
+        batch: Batch,
+        outputs: Mapping[str, torch.Tensor] | None = None,
+        rotation: npt.NDArray[np.float64] | None = None,
     ) -> None:
         self._batch = batch
         self._outputs = outputs or {}
+        self._rotation = rotation
         self._cache: dict[str, npt.NDArray[Any] | None] = {}
         self._flags: dict[str, npt.NDArray[np.bool_]] = {}
         self.ptr = batch.batch_ptr.detach().cpu().numpy().astype(np.int64)
@@ -720,8 +741,25 @@ class _HostCopy:
             value = self._outputs.get(key)
             if value is None:
                 value = batch_field(self._batch, key)
-            self._cache[key] = None if value is None else _to_numpy(value)
+            array = None if value is None else _to_numpy(value)
+            if array is not None and self._rotation is not None:
+                array = self._unrotate(key, array)
+            self._cache[key] = array
         return self._cache[key]
+
+    def _unrotate(self, key: str, array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Undo a per-structure rotation ``x_batch = x_ase @ R.T`` (R orthogonal)."""
+        rotation = self._rotation
+        if rotation is None:
+            return array
+        if key in _ATOM_VECTORS:
+            per_atom = np.repeat(rotation, np.diff(self.ptr), axis=0)
+            return np.einsum("vj,vjk->vk", array, per_atom)
+        if key == "cell":
+            return np.einsum("bij,bjk->bik", array, rotation)
+        if key == "stress":  # a tensor: sigma_ase = R^T sigma_batch R
+            return np.einsum("bji,bjk,bkl->bil", rotation, array, rotation)
+        return array
 
     def output_only(self, key: str) -> npt.NDArray[Any] | None:
         value = self._outputs.get(key)

@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from ase import units as ase_units
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
     "voigt_to_stress_3x3",
 ]
 
-Scalar = TypeVar("Scalar", float, npt.NDArray[np.float64])
+Scalar = TypeVar("Scalar", float, npt.NDArray[np.float64], torch.Tensor)
 
 #: Femtoseconds per ASE (= nvalchemi internal) time unit, exactly the constant
 #: ``nvalchemi.dynamics._units.FS_PER_INTERNAL_TIME`` (a test pins the equality).

@@ -1,0 +1,130 @@
+"""Drive an nvalchemi dynamics engine one step at a time.
+
+ASE's ``irun()`` is a generator: it yields after the initial force evaluation and
+after every step, and the caller may stop, inspect or change the structures in
+between. nvalchemi's public ``run(batch, n_steps)`` re-primes the model on every
+call (survey §6.2), so the ASE layer drives ``engine.step(batch)`` instead and
+performs ``run()``'s set-up itself. The few private engine members that needs
+(hook opening and closing, admission, priming) are used only in this module;
+nvalchemi is pinned to ``>=0.3,<0.4`` and the dynamics tests exercise each one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nvalchemi_ase._quiet import import_quietly
+
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+    from nvalchemi.dynamics.base import BaseDynamics
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = ["EngineDriver", "freeze_hook", "neighbor_hooks"]
+
+
+def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
+    """Neighbour-list hooks for ``model`` with a Verlet skin, run eagerly.
+
+    nvalchemi's ``NeighborListHook.__call__`` is wrapped in ``torch.compile``;
+    on the CPU that costs seconds per new batch shape and buys nothing (survey
+    §2.2), so the hook's own, uncompiled function is used.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The model whose ``NeighborConfig`` (cutoff, format, half list) is used.
+    skin : float
+        Verlet skin, Å: the list is built to ``cutoff + skin`` and rebuilt only
+        when an atom moved more than ``skin / 2`` since the last build.
+
+    Returns
+    -------
+    list
+        One ``NeighborListHook`` at ``BEFORE_COMPUTE``, or none when the model
+        needs no neighbour list.
+    """
+    config = model.model_config.neighbor_config
+    if config is None:
+        return []
+    hooks_module = import_quietly("nvalchemi.hooks")
+    stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+    return [
+        _eager_neighbor_hook_class(hooks_module.NeighborListHook)(
+            config, skin=skin, stage=stages.BEFORE_COMPUTE
+        )
+    ]
+
+
+def _eager_neighbor_hook_class(base: type) -> type:
+    compiled_call = base.__call__
+    eager_call = getattr(compiled_call, "_torchdynamo_orig_callable", compiled_call)
+    return type("EagerNeighborListHook", (base,), {"__call__": eager_call})
+
+
+def freeze_hook(*, zero_velocities: bool) -> Any:
+    """Return nvalchemi's ``FreezeAtomsHook`` for atoms with category -1.
+
+    Parameters
+    ----------
+    zero_velocities : bool
+        Clear frozen atoms' velocities (MD and FIRE); False for quasi-Newton
+        optimizers, which keep no velocities.
+
+    Returns
+    -------
+    FreezeAtomsHook
+        The hook, zeroing frozen atoms' forces as ASE's ``FixAtoms`` does.
+    """
+    hooks_module = import_quietly("nvalchemi.dynamics.hooks")
+    return hooks_module.FreezeAtomsHook(
+        zero_forces=True, zero_velocities=zero_velocities
+    )
+
+
+class EngineDriver:
+    """Step an engine over one batch with ``run()``'s semantics, one step at a time.
+
+    Parameters
+    ----------
+    engine : nvalchemi.dynamics.base.BaseDynamics
+        A freshly built engine, used for this batch composition only (engines
+        size their state on the first batch and never resize, survey §6.1).
+    batch : nvalchemi.data.Batch
+        The batch the engine evolves in place.
+    """
+
+    def __init__(self, engine: BaseDynamics, batch: Batch) -> None:
+        self.engine = engine
+        self.batch = batch
+        self._open = False
+
+    def open(self) -> None:
+        """Enter the engine's context-manager hooks (as ``run()`` does first)."""
+        if not self._open:
+            self.engine._open_hooks()
+            self._open = True
+
+    def close(self) -> None:
+        """Exit the engine's context-manager hooks (as ``run()`` does last)."""
+        if self._open:
+            self._open = False
+            self.engine._close_hooks()
+
+    def prime(self) -> None:
+        """Admit the batch and evaluate the model once, before any step.
+
+        ``ON_ADMISSION`` hooks fire, then ``BEFORE_COMPUTE`` → model →
+        ``AFTER_COMPUTE`` (with ``step_count`` unchanged), exactly as the first
+        ``step()`` of ``run()`` would; the next :meth:`step` then integrates
+        without a second evaluation.
+        """
+        engine, batch = self.engine, self.batch
+        engine._admission_initialized = False
+        engine._ensure_admission_initialized(batch)
+        engine._prime_forces(batch, engine.active_graph_mask(batch, engine.exit_status))
+        engine._forces_primed = True
+
+    def step(self) -> None:
+        """Advance every active structure by one engine step (all hook stages)."""
+        self.engine.step(self.batch)

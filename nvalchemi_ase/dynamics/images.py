@@ -1,0 +1,276 @@
+"""What an ASE-style dynamics object is given: structures, cell filters, a model.
+
+``images`` may be one ``Atoms``, a list of them, or (for optimizers) ASE cell
+filters wrapping them. The model comes from ``model=`` or from the
+``NVAlchemiCalculator`` attached to the structures. Everything is checked here,
+before any engine is built, and every error names the structure and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from ase import Atoms
+from ase.constraints import FixAtoms
+
+from nvalchemi_ase.calculator import NVAlchemiCalculator
+from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
+from nvalchemi_ase.models import model_native_dtype, resolve_model
+
+if TYPE_CHECKING:
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = [
+    "CellFilterSpec",
+    "ModelSetup",
+    "check_constraints",
+    "resolve_images",
+    "resolve_model_setup",
+]
+
+
+@dataclass(frozen=True)
+class CellFilterSpec:
+    """The cell degrees of freedom ASE's filter asked for.
+
+    Attributes
+    ----------
+    kind : str
+        ``"FrechetCellFilter"`` or ``"UnitCellFilter"``.
+    cell_factor : numpy.ndarray, shape (B,)
+        ASE's per-structure scaling of the cell gradient (the number of atoms by
+        default); the cell part of ``fmax`` is ``|σ V| / cell_factor`` per row.
+    """
+
+    kind: str
+    cell_factor: Any
+
+
+@dataclass
+class ModelSetup:
+    """The model and where it runs, shared by all structures of a run."""
+
+    model: BaseModelMixin
+    device: torch.device
+    dtype: torch.dtype
+    calculator: NVAlchemiCalculator
+
+
+def resolve_images(
+    images: Any, *, allow_cell_filters: bool
+) -> tuple[list[Atoms], CellFilterSpec | None, bool]:
+    """Split ``images`` into the structures and an optional cell-filter spec.
+
+    Parameters
+    ----------
+    images : Atoms, Filter, or sequence of them
+        One structure or several; cell filters (``FrechetCellFilter``,
+        ``UnitCellFilter``) select variable-cell optimization for all of them.
+    allow_cell_filters : bool
+        False for molecular dynamics.
+
+    Returns
+    -------
+    atoms : list of ase.Atoms
+        The structures (the filters' own ``Atoms``), not copies.
+    cell_filter : CellFilterSpec or None
+        Set when the inputs are cell filters.
+    single : bool
+        Whether a single object (not a list) was passed.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For an unsupported object, a mix of filtered and plain structures, or a
+        filter option nvalchemi's variable-cell engines cannot honour.
+    """
+    single = not isinstance(images, Sequence)
+    items = [images] if single else list(images)
+    if not items:
+        raise ValueError("images is empty; pass at least one ase.Atoms")
+    filters = [_filter_kind(item) for item in items]
+    if not any(filters):
+        for index, item in enumerate(items):
+            if not isinstance(item, Atoms):
+                raise TypeError(
+                    f"images[{index}] is a {type(item).__name__}; pass ase.Atoms "
+                    "(or, for optimizers, FrechetCellFilter/UnitCellFilter)"
+                )
+        return items, None, single
+    if not allow_cell_filters:
+        raise TypeError(
+            "cell filters select variable-cell optimization; molecular dynamics "
+            "takes plain ase.Atoms (use IsotropicMTKNPT/MTKNPT for a moving cell)"
+        )
+    kinds = set(filters)
+    if None in kinds or len(kinds) > 1:
+        index = next(i for i, kind in enumerate(filters) if kind != filters[0])
+        raise TypeError(
+            f"images[{index}] is a {type(items[index]).__name__} but images[0] is a "
+            f"{type(items[0]).__name__}; wrap every structure in the same cell filter"
+        )
+    for index, item in enumerate(items):
+        _check_filter_options(index, item)
+    kind = filters[0]
+    assert kind is not None  # noqa: S101 - narrowed above
+    factors = [
+        float(getattr(item, "exp_cell_factor", None) or item.cell_factor)
+        for item in items
+    ]
+    atoms = [item.atoms for item in items]
+    return atoms, CellFilterSpec(kind=kind, cell_factor=torch.tensor(factors)), single
+
+
+def _filter_kind(item: Any) -> str | None:
+    from ase.filters import FrechetCellFilter, UnitCellFilter
+
+    if isinstance(item, FrechetCellFilter):
+        return "FrechetCellFilter"
+    if isinstance(item, UnitCellFilter):
+        if type(item) is not UnitCellFilter:
+            raise TypeError(
+                f"{type(item).__name__} is not supported; use FrechetCellFilter or "
+                "UnitCellFilter"
+            )
+        return "UnitCellFilter"
+    if hasattr(item, "atoms") and not isinstance(item, Atoms):
+        raise TypeError(
+            f"{type(item).__name__} is not supported; use FrechetCellFilter or "
+            "UnitCellFilter for a variable cell, or plain Atoms"
+        )
+    return None
+
+
+def _check_filter_options(index: int, item: Any) -> None:
+    unsupported = {
+        "mask": not bool((item.mask == 1).all()),
+        "hydrostatic_strain": bool(item.hydrostatic_strain),
+        "constant_volume": bool(item.constant_volume),
+        "scalar_pressure": float(item.scalar_pressure) != 0.0,
+    }
+    bad = [name for name, is_set in unsupported.items() if is_set]
+    if bad:
+        raise ValueError(
+            f"images[{index}]: {type(item).__name__} option(s) {bad} are not "
+            "supported by nvalchemi's variable-cell optimizers (they relax every "
+            "cell component to zero stress); use the defaults or ASE's own "
+            "optimizers"
+        )
+    if not item.atoms.pbc.all():
+        raise ValueError(
+            f"images[{index}]: a cell filter needs a structure periodic in all "
+            f"three directions (pbc = {item.atoms.pbc.tolist()})"
+        )
+
+
+def check_constraints(atoms_list: list[Atoms]) -> None:
+    """Raise unless every constraint is ``FixAtoms`` (nvalchemi's frozen atoms).
+
+    Parameters
+    ----------
+    atoms_list : list of ase.Atoms
+        The structures.
+
+    Raises
+    ------
+    ValueError
+        Naming the structure and the constraint class.
+    """
+    for index, atoms in enumerate(atoms_list):
+        for constraint in atoms.constraints:
+            if not isinstance(constraint, FixAtoms):
+                raise ValueError(
+                    f"images[{index}] has constraint {type(constraint).__name__}; "
+                    "nvalchemi's engines honour only FixAtoms (frozen atoms). Remove "
+                    "it, or run this structure with ASE's own dynamics"
+                )
+
+
+def resolve_model_setup(
+    atoms_list: list[Atoms],
+    model: BaseModelMixin | str | None,
+    device: torch.device | str | None,
+    dtype: DtypeLike,
+) -> ModelSetup:
+    """Find the model, device and dtype a run uses.
+
+    With ``model=None`` the model is taken from the ``NVAlchemiCalculator``
+    attached to the structures (one calculator shared by all, or calculators
+    wrapping the same model object), and so are its device and dtype unless
+    given. With ``model`` given, structures may carry no calculator or an
+    ``NVAlchemiCalculator`` over that same model.
+
+    Parameters
+    ----------
+    atoms_list : list of ase.Atoms
+        The structures.
+    model : BaseModelMixin or str or None
+        Explicit model or :func:`~nvalchemi_ase.models.load_model` name.
+    device : torch.device or str or None
+        Explicit device.
+    dtype : torch.dtype or str or None
+        Explicit precision.
+
+    Returns
+    -------
+    ModelSetup
+        The model (moved to device and dtype) and a calculator over it, used to
+        give structures without one a calculator after the run.
+
+    Raises
+    ------
+    ValueError
+        If no model can be found, or the structures disagree about it.
+    """
+    calculators = [atoms.calc for atoms in atoms_list]
+    for index, calc in enumerate(calculators):
+        if calc is not None and not isinstance(calc, NVAlchemiCalculator):
+            raise ValueError(
+                f"images[{index}] has a {type(calc).__name__} calculator; batched "
+                "dynamics run an nvalchemi model: attach NVAlchemiCalculator or pass "
+                "model=... (and remove the other calculator)"
+            )
+    ours = [calc for calc in calculators if calc is not None]
+    if model is None:
+        if len(ours) < len(atoms_list):
+            index = calculators.index(None)
+            raise ValueError(
+                f"images[{index}] has no calculator; pass model=... or attach an "
+                "NVAlchemiCalculator to every structure"
+            )
+        resolved = ours[0].model
+    else:
+        resolved = resolve_model(model)
+    for index, calc in enumerate(calculators):
+        if calc is not None and calc.model is not resolved:
+            raise ValueError(
+                f"images[{index}]'s NVAlchemiCalculator wraps a different model "
+                "object than the run's; share one model (or one calculator) between "
+                "all structures"
+            )
+    reference = ours[0] if ours else None
+    run_device = (
+        resolve_device(device)
+        if device is not None or reference is None
+        else reference.device
+    )
+    default_dtype = (
+        reference.dtype
+        if reference is not None
+        else (model_native_dtype(resolved) or torch.float64)
+    )
+    run_dtype = resolve_dtype(dtype, default=default_dtype)
+    for index, calc in enumerate(ours):
+        if (calc.device, calc.dtype) != (run_device, run_dtype):
+            raise ValueError(
+                f"the calculators disagree with the run on device/dtype (calculator "
+                f"#{index}: {calc.device}, {calc.dtype}; run: {run_device}, "
+                f"{run_dtype}); use one NVAlchemiCalculator for all structures"
+            )
+    calculator = reference or NVAlchemiCalculator(
+        resolved, device=run_device, dtype=run_dtype
+    )
+    return ModelSetup(resolved, run_device, run_dtype, calculator)

@@ -1,0 +1,45 @@
+"""Log writers for batched runs (single structures use ASE's own formats).
+
+One structure: the log is ASE's, column for column (``MDLogger`` for MD, the
+optimizer line ``Name:  step HH:MM:SS energy fmax``). Several structures: a
+``logfile`` path containing ``{i}`` gives every structure ASE's own log; any
+other target gets one summary line per logged step:
+
+* MD: ``Time[ps]``, the mean over structures of ``Etot/N``, ``Epot/N`` and
+  ``Ekin/N`` (eV per atom), and the mean, minimum and maximum temperature (K);
+* optimizers: step, wall time, structures converged / total, the mean energy
+  per atom (eV) and the largest ``fmax`` (eV/Å) among structures still running.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from ase.optimize.optimize import Log
+from ase.parallel import world
+
+__all__ = ["internal", "is_template", "open_log", "per_structure_targets"]
+
+
+def is_template(logfile: Any) -> bool:
+    """Whether ``logfile`` is a per-structure path template (contains ``{i}``)."""
+    return isinstance(logfile, str) and "{i" in logfile
+
+
+def per_structure_targets(logfile: str, count: int) -> list[str]:
+    """Expand a ``{i}`` template into one path per structure."""
+    return [logfile.format(i=index) for index in range(count)]
+
+
+def open_log(logfile: Any) -> Log:
+    """Return ASE's ``Log`` writer: ``"-"`` is stdout, a path is appended to."""
+    return Log(logfile, comm=world)
+
+
+def internal(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an observer that reads the batch itself (no ``Atoms`` copy needed)."""
+    wrapped = functools.partial(function)
+    wrapped.needs_atoms = False  # type: ignore[attr-defined]
+    return wrapped

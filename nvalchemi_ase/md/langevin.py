@@ -1,0 +1,118 @@
+"""``Langevin``: NVT with nvalchemi's BAOAB Langevin engine (``NVTLangevin``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.units import (
+    ase_rate_to_per_fs,
+    ase_time_to_fs,
+    temperature_K_to_nvalchemi,
+)
+
+__all__ = ["Langevin", "resolve_seed"]
+
+
+def resolve_seed(seed: int | None, rng: Any) -> int:
+    """Return the integer seed nvalchemi's stochastic engines take.
+
+    Parameters
+    ----------
+    seed : int or None
+        Explicit seed (reproducible runs).
+    rng : numpy.random.Generator or RandomState or None
+        ASE-style random generator; a seed is drawn from it.
+
+    Returns
+    -------
+    int
+        ``seed``, a draw from ``rng``, or a fresh random seed.
+    """
+    if seed is not None and rng is not None:
+        raise ValueError("give either seed or rng, not both")
+    if seed is not None:
+        return int(seed)
+    source = rng if rng is not None else np.random.default_rng()
+    draw = getattr(source, "integers", None) or getattr(source, "randint")  # noqa: B009
+    return int(draw(0, 2**31 - 1))
+
+
+class Langevin(BatchedMolecularDynamics):
+    """Langevin NVT for many structures at once, with ASE's arguments.
+
+    The engine is nvalchemi's BAOAB Langevin integrator; ASE's ``Langevin`` uses
+    a different splitting, so trajectories differ while the ensemble (canonical
+    at ``temperature_K``) is the same.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures with their momenta.
+    timestep : float
+        Time step, ASE time units.
+    temperature_K : float or array_like, shape (B,)
+        Target temperature(s), K; one per structure allowed.
+    friction : float or array_like, shape (B,)
+        Friction, 1/ASE-time (``0.01 / ase.units.fs`` is 0.01 fs⁻¹).
+    fixcm : bool
+        Must be False: nvalchemi's engine does not hold the centre of mass
+        (ASE deprecated ``fixcm=True`` in 3.28; use ``fixcm=False``).
+    rng : numpy.random.Generator, optional
+        Source of the engine's seed (ASE's argument).
+    seed : int, optional
+        Engine seed; the same seed reproduces the same trajectory.
+    **kwargs
+        ``trajectory``, ``logfile``, ``loginterval`` and the options of
+        :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        timestep: float,
+        temperature_K: float | Sequence[float],
+        friction: float | Sequence[float],
+        fixcm: bool = False,
+        *,
+        rng: Any = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if fixcm:
+            raise ValueError(
+                "fixcm=True is not supported: nvalchemi's Langevin engine does not "
+                "hold the centre of mass fixed (and ASE deprecated fixcm); pass "
+                "fixcm=False"
+            )
+        self.temperature_K = temperature_K
+        self.friction = friction
+        self.fix_com = fixcm
+        self.seed = resolve_seed(seed, rng)
+        super().__init__(images, timestep, **kwargs)
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description plus the thermostat parameters."""
+        return super().todict() | {
+            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "friction": np.asarray(self.friction).tolist(),
+            "fixcm": self.fix_com,
+            "seed": self.seed,
+        }
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        dynamics = import_quietly("nvalchemi.dynamics")
+        temperature = self._per_structure("temperature_K", self.temperature_K)
+        friction = self._per_structure("friction", self.friction, strict=True)
+        return dynamics.NVTLangevin(
+            self.model,
+            dt=ase_time_to_fs(self.dt),
+            temperature=temperature_K_to_nvalchemi(temperature),
+            friction=ase_rate_to_per_fs(friction),
+            random_seed=self.seed,
+            hooks=hooks,
+        )

@@ -1,0 +1,225 @@
+"""The molecular-dynamics half of the ASE contract (``ase.md.md.MolecularDynamics``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from ase import units
+from ase.md.logger import MDLogger
+from ase.parallel import world
+
+from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.logs import (
+    internal,
+    is_template,
+    open_log,
+    per_structure_targets,
+)
+
+__all__ = ["BatchedMolecularDynamics"]
+
+
+class BatchedMolecularDynamics(BatchedDynamics):
+    """ASE ``MolecularDynamics`` semantics over a batched nvalchemi integrator.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        The structures; missing momenta count as zero (ASE sets them to zero).
+    timestep : float
+        Time step in ASE time units (``2 * ase.units.fs`` is 2 fs).
+    trajectory, logfile, loginterval, append_trajectory, model, device, dtype,
+    neighbor_skin
+        See :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        timestep: float,
+        trajectory: Any = None,
+        logfile: Any = None,
+        loginterval: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        self.dt = _positive("timestep", timestep)
+        super().__init__(
+            images,
+            logfile=logfile,
+            trajectory=trajectory,
+            loginterval=loginterval,
+            **kwargs,
+        )
+
+    # -- ASE API ---------------------------------------------------------------
+
+    def todict(self) -> dict[str, Any]:
+        """Describe the run as ASE's ``MolecularDynamics.todict`` does."""
+        return {
+            "type": "molecular-dynamics",
+            "md-type": type(self).__name__,
+            "timestep": self.dt,
+        }
+
+    def get_time(self) -> float:
+        """Elapsed simulated time, ASE time units (``nsteps * timestep``)."""
+        return self.nsteps * self.dt
+
+    def converged(self, gradient: Any = None) -> bool:
+        """MD is 'converged' when the requested number of steps is done (ASE)."""
+        return self.nsteps >= self.max_steps
+
+    def irun(self, steps: int = 50) -> Iterator[bool]:
+        """Run as a generator, yielding like ASE's ``MolecularDynamics.irun``.
+
+        Parameters
+        ----------
+        steps : int
+            Number of steps.
+
+        Yields
+        ------
+        bool
+            Whether the requested number of steps is done; the structures hold
+            the current state at every yield.
+        """
+        return self._irun(steps, sync_every_step=True)
+
+    def run(self, steps: int = 50) -> bool:
+        """Run ``steps`` steps for every structure at once.
+
+        Parameters
+        ----------
+        steps : int
+            Number of steps.
+
+        Returns
+        -------
+        bool
+            True when the steps are done (ASE's return value).
+        """
+        converged = steps == 0
+        for converged in self._irun(steps, sync_every_step=False):  # noqa: B007
+            pass
+        return converged
+
+    def _irun(self, steps: int, sync_every_step: bool) -> Iterator[bool]:
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self.max_steps = self.nsteps + steps
+        with self._running():
+            self._prime()
+            if self.nsteps == 0:
+                self._sync_if(sync_every_step or self._observers_due(0))
+                self.call_observers()
+            else:
+                self._sync_if(sync_every_step)
+            yield self.nsteps == self.max_steps
+            while self.nsteps < self.max_steps:
+                self._advance()
+                self._sync_if(sync_every_step or self._observers_due(self.nsteps))
+                self.call_observers()
+                yield self.nsteps == self.max_steps
+
+    # -- logging ----------------------------------------------------------------
+
+    def _setup_logging(self, logfile: Any) -> None:
+        if not logfile:
+            return
+        if len(self.images) == 1 and not is_template(logfile):
+            self.attach(
+                self.closelater(
+                    MDLogger(
+                        dyn=self, atoms=self.images[0], logfile=logfile, comm=world
+                    )
+                ),
+                self.loginterval,
+            )
+            return
+        if is_template(logfile):
+            for atoms, path in zip(
+                self.images,
+                per_structure_targets(logfile, len(self.images)),
+                strict=True,
+            ):
+                self.attach(
+                    self.closelater(
+                        MDLogger(dyn=self, atoms=atoms, logfile=path, comm=world)
+                    ),
+                    self.loginterval,
+                )
+            return
+        log = open_log(logfile)
+        log.write(
+            "%-9s %12s %12s %12s  %8s %8s %8s\n"
+            % (
+                "Time[ps]",
+                "Etot/N[eV]",
+                "Epot/N[eV]",
+                "Ekin/N[eV]",
+                "T[K]",
+                "Tmin[K]",
+                "Tmax[K]",
+            )
+        )
+        self.attach(internal(self._write_batch_log), self.loginterval, log)
+
+    def _write_batch_log(self, log: Any) -> None:
+        thermo = self.per_structure_thermo()
+        natoms = thermo["natoms"]
+        epot = np.mean(thermo["epot"] / natoms)
+        ekin = np.mean(thermo["ekin"] / natoms)
+        temperature = thermo["temperature"]
+        log.write(
+            "%-10.4f %12.6f %12.6f %12.6f  %8.1f %8.1f %8.1f\n"
+            % (
+                self.get_time() / (1000 * units.fs),
+                epot + ekin,
+                epot,
+                ekin,
+                temperature.mean(),
+                temperature.min(),
+                temperature.max(),
+            )
+        )
+
+    # -- shared parameter handling ---------------------------------------------
+
+    def _per_structure(
+        self,
+        name: str,
+        value: float | Sequence[float] | npt.NDArray[Any],
+        *,
+        minimum: float = 0.0,
+        strict: bool = False,
+    ) -> torch.Tensor:
+        """Return a scalar or one value per structure as a [B] tensor on the device."""
+        array = np.asarray(value, dtype=np.float64)
+        count = len(self.images)
+        if array.ndim == 0:
+            array = np.full(count, float(array))
+        if array.shape != (count,):
+            raise ValueError(
+                f"{name} has shape {array.shape}; give one value or one per structure "
+                f"({count} values)"
+            )
+        bad = ~np.isfinite(array) | (array <= minimum if strict else array < minimum)
+        if bad.any():
+            index = int(np.flatnonzero(bad)[0])
+            relation = ">" if strict else ">="
+            raise ValueError(
+                f"{name} for images[{index}] is {array[index]}; it must be finite and "
+                f"{relation} {minimum}"
+            )
+        return torch.as_tensor(array, dtype=self.setup.dtype, device=self.setup.device)
+
+
+def _positive(name: str, value: float) -> float:
+    value = float(value)
+    if not np.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be positive (ASE time units), got {value}")
+    return value

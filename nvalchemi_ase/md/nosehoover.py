@@ -1,0 +1,82 @@
+"""``NoseHooverChainNVT``: NVT on nvalchemi's ``NVTNoseHoover`` engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+
+__all__ = ["NoseHooverChainNVT"]
+
+
+class NoseHooverChainNVT(BatchedMolecularDynamics):
+    """Nosé-Hoover-chain NVT for many structures at once (ASE's arguments).
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures with their momenta.
+    timestep : float
+        Time step, ASE time units.
+    temperature_K : float or array_like, shape (B,)
+        Target temperature(s), K.
+    tdamp : float or array_like, shape (B,)
+        Thermostat time constant, ASE time units (ASE suggests ``100 * timestep``).
+    tchain : int
+        Chain length.
+    tloop : int
+        Must be 1 (nvalchemi's engine integrates the chain with a Yoshida
+        scheme instead of ASE's sub-loops).
+    **kwargs
+        ``trajectory``, ``logfile``, ``loginterval`` and the options of
+        :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        timestep: float,
+        temperature_K: float | Sequence[float],
+        tdamp: float | Sequence[float],
+        tchain: int = 3,
+        tloop: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        if tloop != 1:
+            raise ValueError(
+                f"tloop={tloop} is not supported; nvalchemi's NVTNoseHoover has no "
+                "sub-loops (use tloop=1)"
+            )
+        if int(tchain) < 1:
+            raise ValueError(f"tchain must be >= 1, got {tchain}")
+        self.temperature_K = temperature_K
+        self.tdamp = tdamp
+        self.tchain = int(tchain)
+        self.tloop = tloop
+        super().__init__(images, timestep, **kwargs)
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description plus the thermostat parameters."""
+        return super().todict() | {
+            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "tdamp": np.asarray(self.tdamp).tolist(),
+            "tchain": self.tchain,
+        }
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        dynamics = import_quietly("nvalchemi.dynamics")
+        temperature = self._per_structure("temperature_K", self.temperature_K)
+        tdamp = self._per_structure("tdamp", self.tdamp, strict=True)
+        return dynamics.NVTNoseHoover(
+            self.model,
+            dt=ase_time_to_fs(self.dt),
+            temperature=temperature_K_to_nvalchemi(temperature),
+            thermostat_time=ase_time_to_fs(tdamp),
+            chain_length=self.tchain,
+            hooks=hooks,
+        )

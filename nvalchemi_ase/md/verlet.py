@@ -1,0 +1,42 @@
+"""``VelocityVerlet``: constant NVE on nvalchemi's ``NVE`` engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.units import ase_time_to_fs
+
+__all__ = ["VelocityVerlet"]
+
+
+class VelocityVerlet(BatchedMolecularDynamics):
+    """Velocity Verlet (NVE) for many structures at once, as ``ase.md.VelocityVerlet``.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures with their momenta (Å·amu/ASE-time; zero when unset).
+    timestep : float
+        Time step, ASE time units (``1 * ase.units.fs`` = 1 fs).
+    trajectory : str, path, Trajectory, list, or None
+        Per-structure trajectories (template with ``{i}`` for several).
+    logfile : file, str or None
+        ASE's ``MDLogger`` columns for one structure; see
+        :mod:`nvalchemi_ase.dynamics.logs` for batches.
+    loginterval : int
+        Steps between trajectory frames and log lines.
+    **kwargs
+        ``model``, ``device``, ``dtype``, ``append_trajectory``,
+        ``neighbor_skin`` (see :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`).
+
+    Examples
+    --------
+    >>> dyn = VelocityVerlet(images, 2 * units.fs, trajectory="md_{i}.traj")
+    >>> dyn.run(100)
+    """
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        dynamics = import_quietly("nvalchemi.dynamics")
+        return dynamics.NVE(self.model, dt=ase_time_to_fs(self.dt), hooks=hooks)

@@ -1,0 +1,378 @@
+"""The optimizer half of the ASE contract (``ase.optimize.optimize.Optimizer``).
+
+Every structure converges on its own: once its largest atomic force (and, under
+a cell filter, its largest cell force) is below ``fmax`` it stops moving, while
+the others go on. ``run`` returns True when all have converged;
+:attr:`BatchedOptimizer.converged_mask` says which did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
+
+__all__ = ["DEFAULT_MAX_STEPS", "BatchedOptimizer"]
+
+#: ASE's default step limit of ``Optimizer.run``.
+DEFAULT_MAX_STEPS = 100_000_000
+
+
+class BatchedOptimizer(BatchedDynamics):
+    """ASE ``Optimizer`` semantics over a batched nvalchemi optimizer.
+
+    Parameters
+    ----------
+    images : ase.Atoms, cell filter, or sequence of them
+        Structures to relax; ``FrechetCellFilter``/``UnitCellFilter`` objects
+        relax the cell too.
+    restart : None
+        ASE's restart files are not supported; must be None.
+    logfile : file, str, path or None
+        ``"-"`` (stdout, ASE's default) or a path: ASE's optimizer log for one
+        structure, a summary line per step for several (a template with
+        ``{i}`` gives each structure its own ASE log).
+    trajectory : str, path, Trajectory, sequence of them, or None
+        Per-structure trajectories (see
+        :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`).
+    append_trajectory : bool
+        Append to existing trajectory files.
+    **kwargs
+        ``loginterval``, ``model``, ``device``, ``dtype``, ``neighbor_skin``.
+    """
+
+    _accepts_cell_filters = True
+    _velocities_are_momenta = False
+
+    def __init__(
+        self,
+        images: Any,
+        restart: Any = None,
+        logfile: Any = "-",
+        trajectory: Any = None,
+        append_trajectory: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if restart is not None:
+            raise ValueError(
+                "restart files are not supported by batched optimizers; pass "
+                "restart=None (the optimizer keeps its state between run() calls)"
+            )
+        self.restart = restart
+        self.fmax: float | None = None
+        super().__init__(
+            images,
+            logfile=logfile,
+            trajectory=trajectory,
+            append_trajectory=append_trajectory,
+            **kwargs,
+        )
+        count = len(self.images)
+        self.batch["status"] = torch.zeros(
+            count, 1, dtype=torch.long, device=self.setup.device
+        )
+        self._converged = torch.zeros(count, dtype=torch.bool, device=self.setup.device)
+        self._converged_host = np.zeros(count, dtype=bool)
+        self._moving = np.ones(count, dtype=bool)
+        self._fmax_host = np.full(count, np.inf)
+        self._energy_host = np.zeros(count)
+
+    def _initial_batch(self) -> Any:
+        batch = super()._initial_batch()
+        # Optimizers move fictitious particles: like ASE's, they use unit masses
+        # (nvalchemi's FIRE would otherwise integrate with the atomic masses).
+        batch.atomic_masses.fill_(1.0)
+        if self.cell_filter is not None:
+            self._align_cells(batch)
+        return batch
+
+    def _align_cells(self, batch: Any) -> None:
+        """Rotate structures to lower-triangular cells, as nvalchemi's engines need.
+
+        The rotation Q of each structure (ASE's ``Cell.standard_form``) is kept
+        and undone whenever the state is written back, so the user's structures
+        never come back rotated.
+        """
+        rotations = np.stack([atoms.cell.standard_form()[1] for atoms in self.images])
+        self._alignment = rotations
+        rotation = torch.as_tensor(
+            rotations, dtype=batch.positions.dtype, device=batch.device
+        )
+        per_atom = rotation[batch.batch_idx.long()]
+        with torch.no_grad():
+            batch.positions.copy_(torch.einsum("vj,vkj->vk", batch.positions, per_atom))
+            batch.cell.copy_(torch.einsum("bij,bkj->bik", batch.cell, rotation))
+        self._aligned_cell0 = batch.cell.detach().cpu().numpy().astype(np.float64)
+
+    def _writeback_rotation(self) -> npt.NDArray[np.float64] | None:
+        """Undo the alignment and the rotation the engine's cell update adds.
+
+        nvalchemi keeps cells lower-triangular, so its cell updates are a
+        symmetric strain followed by a rotation. ASE's cell filters apply the
+        strain only; the rotating part R of the polar decomposition F = P R of
+        the cell deformation is removed, so only the strain reaches the user.
+        """
+        if self.cell_filter is None:
+            return None
+        cell = self.batch.cell.detach().cpu().numpy().astype(np.float64)
+        deformation = np.linalg.solve(self._aligned_cell0, cell)
+        left, _, right = np.linalg.svd(deformation)
+        rotating_part = left @ right
+        return np.einsum("bji,bjk->bik", rotating_part, self._alignment)
+
+    # -- ASE API ---------------------------------------------------------------
+
+    @property
+    def converged_mask(self) -> npt.NDArray[np.bool_]:
+        """Which structures have converged, shape (B,) (a copy)."""
+        return self._converged_host.copy()
+
+    @property
+    def fmax_per_structure(self) -> npt.NDArray[np.float64]:
+        """Latest largest force per structure, eV/Å, shape (B,) (cell included)."""
+        return self._fmax_host.copy()
+
+    def todict(self) -> dict[str, Any]:
+        """Describe the run as ASE's ``Optimizer.todict`` does."""
+        description: dict[str, Any] = {
+            "type": "optimization",
+            "optimizer": type(self).__name__,
+            "restart": None,
+        }
+        for attr in ("maxstep", "alpha", "max_steps", "fmax"):
+            if hasattr(self, attr):
+                description[attr] = getattr(self, attr)
+        return description
+
+    def converged(self, forces: Any = None) -> bool:
+        """Whether every structure has converged (ASE's ``converged``)."""
+        return bool(self._converged_host.all())
+
+    def irun(
+        self, fmax: float = 0.05, steps: int = DEFAULT_MAX_STEPS
+    ) -> Iterator[bool]:
+        """Run as a generator, yielding like ASE's ``Optimizer.irun``.
+
+        Parameters
+        ----------
+        fmax : float
+            Convergence threshold on the largest force, eV/Å.
+        steps : int
+            Step limit.
+
+        Yields
+        ------
+        bool
+            Whether all structures have converged; the structures hold the
+            current state at every yield.
+        """
+        return self._irun(fmax, steps, sync_every_step=True)
+
+    def run(self, fmax: float = 0.05, steps: int = DEFAULT_MAX_STEPS) -> bool:
+        """Relax every structure until its largest force is below ``fmax``.
+
+        Parameters
+        ----------
+        fmax : float
+            Convergence threshold, eV/Å (ASE's criterion: max atomic force norm
+            < fmax, cell forces included under a cell filter).
+        steps : int
+            Step limit for the whole batch.
+
+        Returns
+        -------
+        bool
+            True when every structure converged.
+        """
+        converged = False
+        for converged in self._irun(fmax, steps, sync_every_step=False):  # noqa: B007
+            pass
+        return converged
+
+    # -- run loop ----------------------------------------------------------------
+
+    def _irun(self, fmax: float, steps: int, sync_every_step: bool) -> Iterator[bool]:
+        if not fmax > 0:
+            raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self.fmax = float(fmax)
+        self.max_steps = self.nsteps + steps
+        with self._running():
+            self._prime()
+            self._converged.zero_()
+            done = self._update_convergence()
+            if self.nsteps == 0:
+                self._moving[:] = True
+                self.log()
+                if not self.trajectories or self.trajectories.is_empty():
+                    self._sync_if(sync_every_step or self._observers_due(0))
+                    self.call_observers()
+            self._sync_if(sync_every_step)
+            yield done
+            while not done and self.nsteps < self.max_steps:
+                self._moving = ~self._converged_host
+                self._advance()
+                done = self._update_convergence()
+                self.log()
+                self._sync_if(sync_every_step or self._observers_due(self.nsteps))
+                self.call_observers()
+                yield done
+
+    def _update_convergence(self) -> bool:
+        """Freeze structures below ``fmax``; one small device-to-host transfer."""
+        fmax = self._fmax_per_structure()
+        self._converged |= fmax < self._threshold()
+        self.batch["status"][:, 0] = self._converged.long()
+        energy = self.batch.energy.detach().reshape(-1).to(torch.float64)
+        host = (
+            torch.stack(
+                [fmax.to(torch.float64), energy, self._converged.to(torch.float64)]
+            )
+            .cpu()
+            .numpy()
+        )
+        self._fmax_host, self._energy_host = host[0], host[1]
+        self._converged_host = host[2] > 0.5
+        return bool(self._converged_host.all())
+
+    def _threshold(self) -> float:
+        if self.fmax is None:
+            raise RuntimeError("fmax is set by run()/irun()")
+        return self.fmax
+
+    def _fmax_per_structure(self) -> torch.Tensor:
+        """Largest force norm per structure, shape (B,), eV/Å."""
+        batch = self.batch
+        norms = batch.forces.detach().norm(dim=1)
+        fmax = torch.zeros(batch.num_graphs, dtype=norms.dtype, device=norms.device)
+        fmax.scatter_reduce_(0, batch.batch_idx.long(), norms, reduce="amax")
+        if self.cell_filter is not None:
+            fmax = torch.maximum(fmax, self._cell_fmax())
+        return fmax
+
+    def _cell_fmax(self) -> torch.Tensor:
+        """Largest cell-force row, ``|σ V| / cell_factor`` (ASE's filters)."""
+        batch = self.batch
+        stress = batch.stress.detach()
+        volume = torch.linalg.det(batch.cell.detach()).abs()
+        virial = -volume[:, None, None] * stress
+        cell_filter = self.cell_filter
+        if cell_filter is None:
+            raise RuntimeError("cell forces exist only under a cell filter")
+        factor = cell_filter.cell_factor.to(virial.device, virial.dtype)
+        return virial.norm(dim=2).amax(dim=1) / factor
+
+    def _writing_mask(self) -> npt.NDArray[np.bool_]:
+        return self._moving
+
+    def _check_inputs(self) -> None:
+        if self.cell_filter is None:
+            return
+        if "stress" not in self.model.model_config.outputs:
+            raise ValueError(
+                f"a cell filter needs stress, but {type(self.model).__name__} does not "
+                "output it"
+            )
+        for index, atoms in enumerate(self.images):
+            if np.linalg.det(atoms.cell.array) <= 0:
+                raise ValueError(
+                    f"images[{index}] has a left-handed cell; nvalchemi's "
+                    "variable-cell "
+                    "optimizers need right-handed cells (swap two lattice vectors)"
+                )
+
+    def _engine_outputs(self) -> set[str]:
+        outputs = super()._engine_outputs()
+        if self.cell_filter is not None:
+            outputs.add("stress")
+        return outputs
+
+    # -- logging ---------------------------------------------------------------
+
+    def _setup_logging(self, logfile: Any) -> None:
+        self._logs: list[Any] = []
+        self._summary_log = None
+        if not logfile:
+            return
+        if is_template(logfile):
+            self._logs = [
+                open_log(path)
+                for path in per_structure_targets(logfile, len(self.images))
+            ]
+        elif len(self.images) == 1:
+            self._logs = [open_log(logfile)]
+        else:
+            self._summary_log = open_log(logfile)
+
+    def log(self, gradient: Any = None) -> None:
+        """Write the step's log line(s), as ASE's ``Optimizer.log`` does."""
+        name = type(self).__name__
+        clock = time.localtime()
+        if self._logs:
+            rows = (
+                np.flatnonzero(self._moving) if self.nsteps else range(len(self._logs))
+            )
+            for index in rows:
+                _write_ase_line(
+                    self._logs[index],
+                    name,
+                    self.nsteps,
+                    clock,
+                    self._energy_host[index],
+                    self._fmax_host[index],
+                )
+        if self._summary_log is not None:
+            self._write_summary(name, clock)
+
+    def _write_summary(self, name: str, clock: time.struct_time) -> None:
+        log = self._summary_log
+        if log is None:
+            return
+        if self.nsteps == 0:
+            log.write(
+                "%s  %4s %8s %11s %15s  %12s\n"
+                % (" " * len(name), "Step", "Time", "Converged", "Epot/N[eV]", "fmax")
+            )
+        natoms = np.array([len(atoms) for atoms in self.images])
+        running = ~self._converged_host
+        fmax = (
+            self._fmax_host[running].max() if running.any() else self._fmax_host.max()
+        )
+        log.write(
+            "%s:  %3d %02d:%02d:%02d %5d/%-5d %15.6f %15.6f\n"
+            % (
+                name,
+                self.nsteps,
+                clock[3],
+                clock[4],
+                clock[5],
+                int(self._converged_host.sum()),
+                len(self.images),
+                float(np.mean(self._energy_host / natoms)),
+                float(fmax),
+            )
+        )
+
+
+def _write_ase_line(
+    log: Any,
+    name: str,
+    nsteps: int,
+    clock: time.struct_time,
+    energy: float,
+    fmax: float,
+) -> None:
+    """One line of ASE's optimizer log (header first at step 0)."""
+    if nsteps == 0:
+        header = (" " * len(name), "Step", "Time", "Energy", "fmax")
+        log.write("%s  %4s %8s %15s  %12s\n" % header)
+    row = (name, nsteps, clock[3], clock[4], clock[5], energy, fmax)
+    log.write("%s:  %3d %02d:%02d:%02d %15.6f %15.6f\n" % row)
