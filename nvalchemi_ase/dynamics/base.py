@@ -305,6 +305,7 @@ class BatchedDynamics(AseBaseDynamics):
         if self._primed:
             return
         self._hook_nsteps = self.nsteps
+        self.engine.check_initial_batch(self.batch)
         with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
             self._driver.prime()
         self._primed = True
