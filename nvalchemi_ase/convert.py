@@ -261,7 +261,7 @@ def update_atoms(
     batch: Batch,
     *,
     results: bool = True,
-    momenta: bool = True,
+    momenta: bool | npt.NDArray[np.bool_] = True,
     stress: bool = True,
     rotation: npt.NDArray[np.float64] | None = None,
 ) -> None:
@@ -284,9 +284,10 @@ def update_atoms(
         B graphs with the same atom counts.
     results : bool
         Also store energy/forces/stress as described above.
-    momenta : bool
+    momenta : bool or numpy.ndarray, shape (B,), bool
         Write momenta from the batch's velocities (False when the velocities
-        are an optimizer's internal state rather than physical).
+        are an optimizer's internal state rather than physical); an array
+        chooses per structure.
     stress : bool
         Include the batch's stress in the results (False when it is stale).
     rotation : numpy.ndarray, shape (B, 3, 3), optional
@@ -303,9 +304,10 @@ def update_atoms(
     host = _HostCopy(batch, rotation=rotation)
     _check_same_shape(atoms_list, host)
     result_dicts = _results_from_host(host) if results else None
+    write_momenta = np.broadcast_to(np.asarray(momenta, dtype=bool), (len(atoms_list),))
     for index, atoms in enumerate(atoms_list):
         atoms.positions[:] = host.split("positions", index)
-        if momenta:
+        if write_momenta[index]:
             _write_momenta(atoms, host, index)
         padding = host.system("cell_padding", index)
         cell = atoms.cell.array.copy()

@@ -167,6 +167,10 @@ class BatchedDynamics(AseBaseDynamics):
     def _default_skin(self) -> float:
         return DEFAULT_SKIN
 
+    def _momenta_mask(self) -> bool | npt.NDArray[np.bool_]:
+        """Which structures' velocities are physical momenta to write back."""
+        return self._velocities_are_momenta
+
     def _writeback_rotation(self) -> npt.NDArray[np.float64] | None:
         """Rotations (B, 3, 3) taking the batch's frame to the user's, or None."""
         return None
@@ -269,7 +273,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.images,
             self.batch,
             results=True,
-            momenta=self._velocities_are_momenta,
+            momenta=self._momenta_mask(),
             stress=self._stress_step == self.nsteps,
             rotation=self._writeback_rotation(),
         )
@@ -376,7 +380,7 @@ class BatchedDynamics(AseBaseDynamics):
                     torch.as_tensor(keep, device=self.batch.device)
                 ),
                 results=True,
-                momenta=self._velocities_are_momenta,
+                momenta=np.broadcast_to(self._momenta_mask(), finite.shape)[keep],
                 stress=self._stress_step == self.nsteps,
                 rotation=None if rotation is None else rotation[keep],
             )

@@ -151,6 +151,52 @@ class BatchedOptimizer(BatchedDynamics):
                 description[attr] = getattr(self, attr)
         return description
 
+    def then(
+        self,
+        md: Any,
+        *,
+        fmax: float = 0.05,
+        md_steps: int | None = None,
+        trajectory: Any = None,
+        logfile: Any = None,
+        loginterval: int = 1,
+    ) -> Any:
+        """Fuse with an MD object: each structure relaxes to ``fmax``, then runs MD.
+
+        Parameters
+        ----------
+        md : BatchedMolecularDynamics
+            MD over the same ``Atoms`` objects and model.
+        fmax : float
+            Hand-over threshold on the largest force, eV/Å.
+        md_steps : int, optional
+            MD steps per structure after it relaxed (None: until ``run`` ends).
+        trajectory, logfile, loginterval
+            Output of the fused run (see
+            :class:`~nvalchemi_ase.dynamics.fused.RelaxThenMD`).
+
+        Returns
+        -------
+        RelaxThenMD
+            One run on nvalchemi's ``FusedStage``; ``optimizer + md`` is
+            ``optimizer.then(md)``.
+        """
+        from nvalchemi_ase.dynamics.fused import RelaxThenMD
+
+        return RelaxThenMD(
+            self,
+            md,
+            fmax=fmax,
+            md_steps=md_steps,
+            trajectory=trajectory,
+            logfile=logfile,
+            loginterval=loginterval,
+        )
+
+    def __add__(self, md: Any) -> Any:
+        """``optimizer + md``: :meth:`then` with its defaults."""
+        return self.then(md)
+
     def converged(self, forces: Any = None) -> bool:
         """Whether every structure has converged (ASE's ``converged``)."""
         return bool(self._converged_host.all())

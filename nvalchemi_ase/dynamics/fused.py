@@ -1,0 +1,278 @@
+"""Relax, then run MD, structure by structure, in one batch: ``optimizer + md``.
+
+``FIRE(images) + Langevin(images, ...)`` (or ``optimizer.then(md, fmax=...,
+md_steps=...)``) runs both algorithms on one batch with one model evaluation per
+step, on nvalchemi's ``FusedStage``: every structure starts in the optimizer,
+moves to MD as soon as its largest force drops to ``fmax``, and finishes after
+``md_steps`` MD steps of its own, while the others go on. Each structure enters
+MD with the momenta its ``Atoms`` had when the composition was made (zero if
+none), not with the optimizer's fictitious velocities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.logs import internal, open_log
+
+if TYPE_CHECKING:
+    from nvalchemi_ase.md.md import BatchedMolecularDynamics
+    from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+
+__all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD"]
+
+#: Stage codes of :attr:`RelaxThenMD.stage` (nvalchemi's ``status`` values).
+RELAXING, RUNNING_MD, FINISHED = 0, 1, 2
+
+
+class RelaxThenMD(BatchedDynamics):
+    """An optimizer and an MD integrator fused: each structure relaxes, then runs MD.
+
+    Parameters
+    ----------
+    optimizer : BatchedOptimizer
+        Relaxes the structures (its parameters are used; it must not have run).
+    md : BatchedMolecularDynamics
+        Runs MD on the same ``Atoms`` objects (same model; must not have run).
+    fmax : float
+        Force threshold, eV/Å, at which a structure moves from relaxation to MD
+        (nvalchemi's criterion: largest atomic force norm <= fmax).
+    md_steps : int, optional
+        MD steps each structure runs after relaxing; None runs MD until
+        ``run(steps)`` ends.
+    trajectory, logfile, loginterval
+        As for :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`; frames of
+        every structure, whatever its stage. The log has one line per logged
+        step: counts per stage, mean potential energy per atom and mean
+        temperature of the structures in MD.
+    """
+
+    _entry_velocities: torch.Tensor
+
+    def __init__(
+        self,
+        optimizer: BatchedOptimizer,
+        md: BatchedMolecularDynamics,
+        *,
+        fmax: float = 0.05,
+        md_steps: int | None = None,
+        trajectory: Any = None,
+        logfile: Any = None,
+        loginterval: int = 1,
+    ) -> None:
+        _check_parts(optimizer, md)
+        if not fmax > 0:
+            raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
+        if md_steps is not None and md_steps < 1:
+            raise ValueError(f"md_steps must be >= 1 or None, got {md_steps}")
+        self.optimizer, self.md = optimizer, md
+        self.fmax, self.md_steps = float(fmax), md_steps
+        self.dt = md.dt
+        super().__init__(
+            md.images,
+            logfile=logfile,
+            trajectory=trajectory,
+            loginterval=loginterval,
+            model=md.model,
+            device=md.setup.device,
+            dtype=md.setup.dtype,
+            neighbor_skin=min(optimizer.neighbor_skin, md.neighbor_skin),
+        )
+        self.engine._ensure_bookkeeping_fields(self.batch)
+        self.batch["status"].zero_()
+
+    # -- ASE API ---------------------------------------------------------------
+
+    @property
+    def stage(self) -> npt.NDArray[np.int64]:
+        """Stage of each structure, shape (B,): 0 relaxing, 1 in MD, 2 finished."""
+        return self.batch["status"].detach().reshape(-1).cpu().numpy().copy()
+
+    def todict(self) -> dict[str, Any]:
+        """Both parts' descriptions and the hand-over parameters."""
+        return {
+            "type": "relax-then-md",
+            "optimizer": self.optimizer.todict(),
+            "md": self.md.todict(),
+            "fmax": self.fmax,
+            "md_steps": self.md_steps,
+        }
+
+    def get_time(self) -> float:
+        """Elapsed time of the fused run, ASE time units (``nsteps * timestep``)."""
+        return self.nsteps * self.dt
+
+    def irun(self, steps: int = 100_000_000) -> Iterator[bool]:
+        """Run as a generator; yields whether every structure has finished.
+
+        Parameters
+        ----------
+        steps : int
+            Limit on fused steps.
+
+        Yields
+        ------
+        bool
+            True once every structure has done its MD steps.
+        """
+        return self._irun(steps, sync_every_step=True)
+
+    def run(self, steps: int = 100_000_000) -> bool:
+        """Relax every structure, then run its MD, in one batch.
+
+        Parameters
+        ----------
+        steps : int
+            Limit on fused steps (each is one model evaluation for the batch).
+
+        Returns
+        -------
+        bool
+            True when every structure has relaxed and done ``md_steps`` MD steps.
+        """
+        done = False
+        for done in self._irun(steps, sync_every_step=False):  # noqa: B007
+            pass
+        return done
+
+    def _irun(self, steps: int, sync_every_step: bool) -> Iterator[bool]:
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        self.max_steps = self.nsteps + steps
+        with self._running():
+            self._prime()
+            if self.nsteps == 0:
+                self._sync_if(sync_every_step or self._observers_due(0))
+                self.call_observers()
+            done = self._all_finished()
+            yield done
+            while not done and self.nsteps < self.max_steps:
+                self._advance()
+                done = self._all_finished()
+                self._sync_if(sync_every_step or self._observers_due(self.nsteps))
+                self.call_observers()
+                yield done
+
+    # -- engine -------------------------------------------------------------------
+
+    def _initial_batch(self) -> Any:
+        batch = super()._initial_batch()
+        if hasattr(self, "_entry_velocities"):  # re-read after the user changed atoms
+            self._entry_velocities.copy_(batch.velocities)
+        else:
+            self._entry_velocities = batch.velocities.detach().clone()
+        batch.velocities.zero_()  # the optimizer's velocities start at rest
+        return batch
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        dynamics = import_quietly("nvalchemi.dynamics")
+        relax = self.optimizer._build_engine([])
+        relax.convergence_hook = dynamics.ConvergenceHook.from_fmax(threshold=self.fmax)
+        integrate = self.md._build_engine([])
+        integrate.n_steps = self.md_steps
+        stages = dynamics.DynamicsStage
+        entry = _EnterMDWithInitialMomenta(self._entry_velocities, stages.BEFORE_STEP)
+        return dynamics.FusedStage(
+            sub_stages=[(RELAXING, relax), (RUNNING_MD, integrate)],
+            hooks=[*hooks, entry],
+        )
+
+    def _engine_outputs(self) -> set[str]:
+        outputs = set(self.optimizer._engine_outputs()) | set(self.md._engine_outputs())
+        return outputs
+
+    def _momenta_mask(self) -> npt.NDArray[np.bool_]:
+        return self.stage >= RUNNING_MD
+
+    def _all_finished(self) -> bool:
+        return bool((self.batch["status"] >= FINISHED).all())
+
+    # -- logging ----------------------------------------------------------------
+
+    def _setup_logging(self, logfile: Any) -> None:
+        if not logfile:
+            return
+        log = open_log(logfile)
+        log.write(
+            "%-9s %6s %6s %6s %12s %8s\n"
+            % ("Time[ps]", "relax", "md", "done", "Epot/N[eV]", "T_md[K]")
+        )
+        self.attach(internal(self._write_log), self.loginterval, log)
+
+    def _write_log(self, log: Any) -> None:
+        from ase import units
+
+        thermo = self.per_structure_thermo()
+        stage = self.stage
+        in_md = stage == RUNNING_MD
+        temperature = thermo["temperature"][in_md].mean() if in_md.any() else 0.0
+        log.write(
+            "%-10.4f %6d %6d %6d %12.6f %8.1f\n"
+            % (
+                self.get_time() / (1000 * units.fs),
+                int((stage == RELAXING).sum()),
+                int(in_md.sum()),
+                int((stage >= FINISHED).sum()),
+                float(np.mean(thermo["epot"] / thermo["natoms"])),
+                temperature,
+            )
+        )
+
+
+class _EnterMDWithInitialMomenta:
+    """nvalchemi hook: structures entering MD get their initial velocities back.
+
+    Runs at ``BEFORE_STEP`` on the fused stage, with tensor operations only (no
+    host synchronisation).
+    """
+
+    frequency = 1
+
+    def __init__(self, initial_velocities: torch.Tensor, stage: Any) -> None:
+        self.stage = stage
+        self._initial = initial_velocities
+        self._entered: torch.Tensor | None = None
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        batch = ctx.batch
+        in_md = batch["status"].reshape(-1) >= RUNNING_MD
+        if self._entered is None:
+            self._entered = torch.zeros_like(in_md)
+        entering = (in_md & ~self._entered)[batch.batch_idx.long()]
+        with torch.no_grad():
+            velocities = batch.velocities
+            velocities.copy_(torch.where(entering[:, None], self._initial, velocities))
+        self._entered = self._entered | in_md
+
+
+def _check_parts(optimizer: Any, md: Any) -> None:
+    from nvalchemi_ase.md.md import BatchedMolecularDynamics
+    from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+
+    if not isinstance(optimizer, BatchedOptimizer) or not isinstance(
+        md, BatchedMolecularDynamics
+    ):
+        raise TypeError(
+            "relax + md needs an nvalchemi_ase optimizer followed by an nvalchemi_ase "
+            f"MD object, got {type(optimizer).__name__} + {type(md).__name__}"
+        )
+    if len(optimizer.images) != len(md.images) or any(
+        a is not b for a, b in zip(optimizer.images, md.images, strict=True)
+    ):
+        raise ValueError(
+            "the optimizer and the MD object must run the same Atoms objects, in the "
+            "same order"
+        )
+    if optimizer.model is not md.model:
+        raise ValueError("the optimizer and the MD object must share one model")
+    if optimizer.cell_filter is not None:
+        raise ValueError("relax + md supports fixed-cell relaxation only")
+    if optimizer.nsteps or md.nsteps:
+        raise ValueError("compose the optimizer and the MD object before running them")
