@@ -89,6 +89,7 @@ __all__ = [
     "batch_field",
     "batch_results",
     "batch_to_atoms",
+    "check_images",
     "update_atoms",
 ]
 
@@ -179,6 +180,22 @@ def as_atoms_list(images: Atoms | Iterable[Atoms]) -> list[Atoms]:
                 f"images[{index}] is a {type(atoms).__name__}, not an ase.Atoms{hint}"
             )
     return atoms_list
+
+
+def check_images(images: Atoms | Sequence[Atoms]) -> None:
+    """Validate structures as :func:`atoms_to_batch` would, without building tensors.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        The structures.
+
+    Raises
+    ------
+    StructureError
+        For the first structure that cannot be simulated (index, field, fix).
+    """
+    _stack(as_atoms_list(images))
 
 
 def atoms_to_batch(

@@ -128,3 +128,30 @@ def test_version_is_a_literal_and_metadata_is_installed():
     requires = metadata("nvalchemi-ase").get_all("Requires-Dist")
     assert any(r.startswith("nvalchemi-toolkit") and "<0.4" in r for r in requires)
     assert (PACKAGE / "py.typed").exists()
+
+
+def test_calculator_is_registered_with_ases_plugin_system():
+    from importlib.metadata import entry_points
+
+    (entry,) = [e for e in entry_points(group="ase.plugins") if e.name == "nvalchemi_ase"]
+    module = entry.load()
+    try:
+        from ase._4.plugins.plugin_collection import PluginCollection
+    except ImportError:  # pragma: no cover - ASE without the v4 plugin API
+        assert module.__ase_plugins__ == set()
+        return
+    calculators = {p.name: p for p in PluginCollection.from_entry_points().calculators}
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+
+    assert calculators["nvalchemi"].implementation is NVAlchemiCalculator
+
+
+def test_plugin_module_survives_a_missing_ase_4_api():
+    code = """
+import sys
+sys.modules["ase._4.plugins.plugin"] = None  # makes the import fail
+import nvalchemi_ase._ase_plugin as plugin
+assert plugin.__ase_plugins__ == set()
+assert "torch" not in sys.modules
+"""
+    run_python(code)

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["format_table"]
+__all__ = ["RESULT_HEADER", "format_table", "result_row"]
+
+#: Columns of :func:`result_row`.
+RESULT_HEADER = (
+    "structure",
+    "formula",
+    "atoms",
+    "energy/eV",
+    "eV/atom",
+    "max|F|/(eV/Å)",
+    "P/GPa",
+)
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -34,3 +46,44 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def result_row(label: str, atoms: Any, result: dict[str, Any]) -> tuple[str, ...]:
+    """One table row: label, formula, atoms, energy, energy/atom, max |F|, pressure.
+
+    Parameters
+    ----------
+    label : str
+        Where the structure came from.
+    atoms : ase.Atoms
+        The structure.
+    result : dict
+        ASE results (``energy`` eV, ``forces`` eV/Å, optional ``stress`` eV/Å³).
+
+    Returns
+    -------
+    tuple of str
+        Cells for :data:`RESULT_HEADER` (pressure "-" when there is no stress).
+    """
+    import numpy as np
+    from ase import units
+
+    from nvalchemi_ase.units import pressure_from_stress
+
+    pressure = (
+        f"{float(pressure_from_stress(result['stress'])) / units.GPa:.4f}"
+        if "stress" in result
+        else "-"
+    )
+    fmax = (
+        np.linalg.norm(result["forces"], axis=1).max() if "forces" in result else np.nan
+    )
+    return (
+        label,
+        atoms.get_chemical_formula(),
+        str(len(atoms)),
+        f"{result['energy']:.6f}",
+        f"{result['energy'] / len(atoms):.6f}",
+        f"{fmax:.6f}",
+        pressure,
+    )

@@ -13,19 +13,22 @@ import sys
 from collections.abc import Sequence
 
 from nvalchemi_ase import __version__
+from nvalchemi_ase.cli.common import CommandError
+
+# Errors reported as one line (with --debug, as a traceback).
+_USER_ERRORS = (CommandError, ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 # (name, module, one-line help)
 _COMMANDS = (
+    ("calc", "nvalchemi_ase.cli.calc", "single points for every input frame, batched"),
+    ("relax", "nvalchemi_ase.cli.relax", "relax every input structure, batched"),
+    ("md", "nvalchemi_ase.cli.md", "molecular dynamics of every input, batched"),
     (
         "demo",
         "nvalchemi_ase.cli.demo",
-        "evaluate a batch of real structures (the README's main job)",
+        "relax and run MD on a batch of real structures",
     ),
 )
-
-
-class CommandError(Exception):
-    """A user-facing command-line error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in _COMMANDS:
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sub.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(sub)
+        sub.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show full tracebacks on errors",
+        )
+        module.add_arguments(sub)
     return parser
 
 
@@ -79,8 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args))
-    except (CommandError, ValueError, TypeError, OSError, ImportError) as error:
+    except _USER_ERRORS as error:
         if args.debug:
             raise
-        print(f"nvalchemi-ase {args.command}: error: {error}", file=sys.stderr)  # noqa: T201
+        message = " ".join(str(error).split())  # one line, whatever the source
+        print(f"nvalchemi-ase {args.command}: error: {message}", file=sys.stderr)  # noqa: T201
         return 2

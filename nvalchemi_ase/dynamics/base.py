@@ -42,6 +42,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_due,
     is_nvalchemi_hook,
 )
+from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet, TrajectorySpec
 from nvalchemi_ase.units import kinetic_temperature_K
 
@@ -89,6 +90,9 @@ class BatchedDynamics(AseBaseDynamics):
     neighbor_skin : float, optional
         Verlet skin of the neighbour list, Å (default :data:`DEFAULT_SKIN`;
         variable-cell runs use 0).
+    progress : bool or None
+        Draw a progress bar on standard error (steps, rate, structures
+        converged); None draws one only when standard error is a terminal.
     """
 
     #: Whether structures may be given as cell filters (optimizers only).
@@ -108,6 +112,7 @@ class BatchedDynamics(AseBaseDynamics):
         device: torch.device | str | None = None,
         dtype: DtypeLike = None,
         neighbor_skin: float | None = None,
+        progress: bool | None = False,
     ) -> None:
         atoms_list, cell_filter, single = resolve_images(
             images, allow_cell_filters=self._accepts_cell_filters
@@ -124,6 +129,8 @@ class BatchedDynamics(AseBaseDynamics):
             loginterval=loginterval,
         )
         self.loginterval = loginterval
+        self.progress = progress_enabled(progress)
+        self._bar: ProgressBar | None = None
         self.batch: Batch = self._initial_batch()
         skin = self._default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
@@ -142,7 +149,10 @@ class BatchedDynamics(AseBaseDynamics):
             description=lambda: self.todict() | {"interval": loginterval},
         )
         if self.trajectories:
-            self.attach(internal(self._write_trajectories), interval=loginterval)
+            self.attach(
+                internal(self._write_trajectories, needs_stress=True),
+                interval=loginterval,
+            )
         self._setup_logging(logfile)
 
     # ------------------------------------------------------------------
@@ -166,6 +176,10 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _default_skin(self) -> float:
         return DEFAULT_SKIN
+
+    def _progress_note(self) -> str | None:
+        """Text shown after the progress bar (optimizers: structures converged)."""
+        return None
 
     def _momenta_mask(self) -> bool | npt.NDArray[np.bool_]:
         """Which structures' velocities are physical momenta to write back."""
@@ -295,10 +309,15 @@ class BatchedDynamics(AseBaseDynamics):
         self._adopt_external_changes()
         ok = False
         self._driver.open()
+        if self.progress:
+            self._bar = ProgressBar(type(self).__name__, self.max_steps - self.nsteps)
         try:
             yield
             ok = True
         finally:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
             self._driver.close()
             self._finish_run(ok)
             # files are complete after every run, and reopened to append
@@ -327,19 +346,21 @@ class BatchedDynamics(AseBaseDynamics):
                 "latest state, the others their last written one)"
             ) from error
         self.nsteps += 1
+        if self._bar is not None:
+            self._bar.step(self._progress_note())
 
     def _outputs_at(self, nsteps: int) -> set[str]:
         """Model outputs for the evaluation that produces step ``nsteps``.
 
-        The engine's needs, plus stress on steps whose trajectory frames are
-        written (ASE frames carry stress when the calculator has it).
+        The engine's needs, plus stress on steps where an observer that reads
+        it (trajectory frames, recorders) is due.
         """
         supported = set(self.model.model_config.outputs)
         wanted = self._engine_outputs()
-        if (
-            self.trajectories
-            and "stress" in supported
-            and is_due(self.loginterval, nsteps)
+        if "stress" in supported and any(
+            is_due(interval, nsteps)
+            for function, interval, _, _ in self.observers
+            if getattr(function, "needs_stress", False)
         ):
             wanted.add("stress")
         self._stress_step = nsteps if "stress" in wanted else self._stress_step

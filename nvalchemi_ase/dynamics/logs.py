@@ -38,8 +38,24 @@ def open_log(logfile: Any) -> Log:
     return Log(logfile, comm=world)
 
 
-def internal(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark an observer that reads the batch itself (no ``Atoms`` copy needed)."""
+def internal(
+    function: Callable[..., Any], *, needs_stress: bool = False
+) -> Callable[..., Any]:
+    """Mark an observer that reads the batch itself (no ``Atoms`` copy needed).
+
+    Parameters
+    ----------
+    function : callable
+        The observer.
+    needs_stress : bool
+        Ask the model for stress on the steps where this observer is due.
+
+    Returns
+    -------
+    callable
+        ``function`` with ``needs_atoms = False`` and ``needs_stress`` set.
+    """
     wrapped = functools.partial(function)
     wrapped.needs_atoms = False  # type: ignore[attr-defined]
+    wrapped.needs_stress = needs_stress  # type: ignore[attr-defined]
     return wrapped

@@ -82,6 +82,7 @@ class BatchedOptimizer(BatchedDynamics):
         self._converged_host = np.zeros(count, dtype=bool)
         self._moving = np.ones(count, dtype=bool)
         self._fmax_host = np.full(count, np.inf)
+        self._converged_at = np.full(count, -1)
         self._energy_host = np.zeros(count)
 
     def _initial_batch(self) -> Any:
@@ -133,6 +134,11 @@ class BatchedOptimizer(BatchedDynamics):
     def converged_mask(self) -> npt.NDArray[np.bool_]:
         """Which structures have converged, shape (B,) (a copy)."""
         return self._converged_host.copy()
+
+    @property
+    def converged_at_step(self) -> npt.NDArray[np.int64]:
+        """Step at which each structure first converged in this run, -1 if not, (B,)."""
+        return self._converged_at.copy()
 
     @property
     def fmax_per_structure(self) -> npt.NDArray[np.float64]:
@@ -254,6 +260,7 @@ class BatchedOptimizer(BatchedDynamics):
         with self._running():
             self._prime()
             self._converged.zero_()
+            self._converged_at[:] = -1
             done = self._update_convergence()
             if self.nsteps == 0:
                 self._moving[:] = True
@@ -287,7 +294,20 @@ class BatchedOptimizer(BatchedDynamics):
         )
         self._fmax_host, self._energy_host = host[0], host[1]
         self._converged_host = host[2] > 0.5
+        newly = self._converged_host & (self._converged_at < 0)
+        self._converged_at[newly] = self.nsteps
+        if self._bar is not None:
+            self._bar.note(
+                f"converged {int(self._converged_host.sum())}/{len(self.images)}, "
+                f"fmax {self._largest_running_fmax():.3g} eV/Å"
+            )
         return bool(self._converged_host.all())
+
+    def _largest_running_fmax(self) -> float:
+        """Largest fmax among structures still running (all, once every one is done)."""
+        running = ~self._converged_host
+        chosen = self._fmax_host[running] if running.any() else self._fmax_host
+        return float(chosen.max())
 
     def _threshold(self) -> float:
         if self.fmax is None:
@@ -388,10 +408,7 @@ class BatchedOptimizer(BatchedDynamics):
                 % (" " * len(name), "Step", "Time", "Converged", "Epot/N[eV]", "fmax")
             )
         natoms = np.array([len(atoms) for atoms in self.images])
-        running = ~self._converged_host
-        fmax = (
-            self._fmax_host[running].max() if running.any() else self._fmax_host.max()
-        )
+        fmax = self._largest_running_fmax()
         log.write(
             "%s:  %3d %02d:%02d:%02d %5d/%-5d %15.6f %15.6f\n"
             % (

@@ -1,0 +1,254 @@
+"""What every ``nvalchemi-ase`` subcommand shares: inputs, models, batching, output."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CommandError",
+    "Source",
+    "add_batching_options",
+    "add_model_options",
+    "batches",
+    "build_calculator",
+    "default_model_name",
+    "parse_model_spec",
+    "positive_float",
+    "positive_int",
+    "read_sources",
+    "show_progress",
+]
+
+
+class CommandError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+@dataclass
+class Source:
+    """One input structure and where it came from."""
+
+    path: str
+    frame: int
+    atoms: Any
+
+    @property
+    def label(self) -> str:
+        """``file@frame``, as ``ase.io.read`` spells a frame."""
+        return f"{self.path}@{self.frame}"
+
+
+def positive_int(text: str) -> int:
+    """Argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """Argparse type: a float > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device``, ``--dtype``."""
+    parser.add_argument(
+        "--model",
+        default="default",
+        metavar="NAME[:k=v,...]",
+        help="model name and parameters, e.g. 'lj:epsilon=0.0104,sigma=3.4,cutoff=8.5' "
+        "(eV, Å); 'default' is SevenNet-0 when sevenn is installed, else LJ argon",
+    )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="torch device (default: cuda if available, else cpu)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "float64"),
+        help="precision (default: the model's own, float64 for LJ)",
+    )
+
+
+def add_batching_options(parser: argparse.ArgumentParser) -> None:
+    """``--batch-size`` and ``--max-atoms``: inputs larger than memory go in chunks."""
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=512,
+        help="largest number of structures in one batch (default: 512)",
+    )
+    parser.add_argument(
+        "--max-atoms",
+        type=positive_int,
+        default=50_000,
+        help="largest number of atoms in one batch (default: 50000)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar and no table"
+    )
+
+
+def default_model_name() -> str:
+    """SevenNet-0 when its package is installed, else Lennard-Jones argon."""
+    from nvalchemi_ase.models import available_models
+
+    if "sevennet-0" in available_models() and importlib.util.find_spec("sevenn"):
+        return "sevennet-0"
+    return "lj"
+
+
+def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split ``NAME[:k=v,...]`` into a name and typed parameters.
+
+    Parameters
+    ----------
+    spec : str
+        E.g. ``"lj:epsilon=0.0104,sigma=3.4"``; values become int, float or bool
+        when they parse as such.
+
+    Returns
+    -------
+    tuple of (str, dict)
+        The model name (``default`` resolved) and its parameters.
+    """
+    name, _, rest = spec.partition(":")
+    params: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise CommandError(
+                f"--model {spec!r}: parameter {item!r} is not key=value "
+                "(e.g. lj:epsilon=0.0104,sigma=3.4)"
+            )
+        params[key.strip()] = _parse_value(value.strip())
+    name = name.strip() or "default"
+    return (default_model_name() if name == "default" else name), params
+
+
+def _parse_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return text
+
+
+def build_calculator(args: argparse.Namespace) -> Any:
+    """Return the ``NVAlchemiCalculator`` the options describe."""
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+
+    name, params = parse_model_spec(args.model)
+    return NVAlchemiCalculator(name, device=args.device, dtype=args.dtype, **params)
+
+
+def read_sources(patterns: Sequence[str]) -> list[Source]:
+    """Every frame of every input file (globs expanded), validated.
+
+    Parameters
+    ----------
+    patterns : sequence of str
+        File names or glob patterns; ``file@slice`` picks frames as in ASE.
+
+    Returns
+    -------
+    list of Source
+        In input order.
+
+    Raises
+    ------
+    CommandError
+        Naming the file (missing, unreadable) or the frame (invalid structure).
+    """
+    from ase.io import read
+
+    from nvalchemi_ase.convert import StructureError, check_images
+
+    sources: list[Source] = []
+    for path in _expand(patterns):
+        name, _, index = path.partition("@")
+        try:
+            frames = read(name, index=index or ":")
+        except Exception as error:  # ase.io raises many types for bad files
+            raise CommandError(
+                f"{name}: cannot read it ({type(error).__name__}: {error}); give a "
+                "file ase.io.read understands (extxyz, traj, cif, POSCAR, ...)"
+            ) from error
+        frames = frames if isinstance(frames, list) else [frames]
+        sources.extend(Source(name, k, atoms) for k, atoms in enumerate(frames))
+    if not sources:
+        raise CommandError("no structures in the input files")
+    try:
+        check_images([s.atoms for s in sources])
+    except StructureError as error:
+        source = sources[error.index]
+        message = str(error).split(": ", 1)[1]
+        raise CommandError(f"{source.label}: {error.field} {message}") from error
+    return sources
+
+
+def _expand(patterns: Sequence[str]) -> list[str]:
+    paths: list[str] = []
+    for pattern in patterns:
+        name = pattern.partition("@")[0]
+        matches = sorted(glob.glob(name)) if glob.has_magic(name) else [name]
+        if not matches:
+            raise CommandError(f"{pattern}: no file matches")
+        for match in matches:
+            if not Path(match).is_file():
+                raise CommandError(f"{match}: no such file")
+            suffix = pattern[len(name) :]
+            paths.append(match + suffix)
+    return paths
+
+
+def batches(
+    sources: Sequence[Source], max_structures: int, max_atoms: int
+) -> Iterator[list[tuple[int, Source]]]:
+    """Split the inputs into consecutive chunks within both budgets, order kept.
+
+    Yields
+    ------
+    list of (int, Source)
+        Global index and source of each structure in the chunk.
+    """
+    chunk: list[tuple[int, Source]] = []
+    atoms_in_chunk = 0
+    for index, source in enumerate(sources):
+        size = len(source.atoms)
+        if chunk and (
+            len(chunk) >= max_structures or atoms_in_chunk + size > max_atoms
+        ):
+            yield chunk
+            chunk, atoms_in_chunk = [], 0
+        chunk.append((index, source))
+        atoms_in_chunk += size
+    if chunk:
+        yield chunk
+
+
+def show_progress(args: argparse.Namespace) -> bool | None:
+    """Progress bars on a terminal unless ``--quiet``."""
+    return False if getattr(args, "quiet", False) else None
+
+
+def say(args: argparse.Namespace, text: str) -> None:
+    """Print to stdout unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        print(text, file=sys.stdout)  # noqa: T201

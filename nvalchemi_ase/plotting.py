@@ -1,0 +1,136 @@
+"""PNG plots of batched runs: one line per structure, or a band for large batches.
+
+Used by :meth:`nvalchemi_ase.dynamics.recorder.Recorder.plot` and the command
+line's ``--plot``. matplotlib is imported when a plot is drawn (Agg backend,
+no display needed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MAX_LINES", "plot_md", "plot_relaxation"]
+
+#: Batches larger than this are drawn as a mean line and a min-max band.
+MAX_LINES = 12
+
+
+def plot_md(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Energy, temperature and pressure against time.
+
+    Parameters
+    ----------
+    series : dict of numpy.ndarray
+        ``time_ps`` (T,), ``epot_per_atom`` (T, B) eV, ``temperature`` (T, B) K,
+        ``pressure_gpa`` (T, B) GPa (NaN where undefined), as recorded by
+        :class:`~nvalchemi_ase.dynamics.recorder.Recorder`.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title.
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+    """
+    panels = [
+        ("epot_per_atom", "E_pot / atom [eV]"),
+        ("temperature", "T [K]"),
+    ]
+    if np.isfinite(series.get("pressure_gpa", np.array([np.nan]))).any():
+        panels.append(("pressure_gpa", "P [GPa]"))
+    return _draw(series["time_ps"], "time [ps]", series, panels, path, title, log=set())
+
+
+def plot_relaxation(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Energy (relative to its final value) and largest force against step.
+
+    Parameters
+    ----------
+    series : dict of numpy.ndarray
+        ``step`` (T,), ``epot_per_atom`` (T, B) eV, ``fmax`` (T, B) eV/Å.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title.
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+    """
+    relative = dict(series)
+    energy = series["epot_per_atom"]
+    relative["energy_drop"] = energy - energy[-1]
+    panels = [("energy_drop", "E/atom - final [eV]"), ("fmax", "fmax [eV/Å]")]
+    return _draw(series["step"], "step", relative, panels, path, title, log={"fmax"})
+
+
+def _draw(
+    x: npt.NDArray[np.float64],
+    xlabel: str,
+    series: dict[str, npt.NDArray[np.float64]],
+    panels: list[tuple[str, str]],
+    path: str | Path,
+    title: str | None,
+    log: set[str],
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False
+    )
+    for axis, (key, label) in zip(axes[:, 0], panels, strict=True):
+        _lines_or_band(axis, x, np.asarray(series[key], dtype=np.float64))
+        axis.set_ylabel(label)
+        if key in log:
+            axis.set_yscale("log")
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(xlabel)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    output = Path(path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return output
+
+
+def _lines_or_band(
+    axis: Any, x: npt.NDArray[np.float64], values: npt.NDArray[np.float64]
+) -> None:
+    count = values.shape[1] if values.ndim == 2 else 1
+    if count <= MAX_LINES:
+        for column in range(count):
+            axis.plot(x, values[:, column], lw=1.2, label=f"#{column}")
+        if 1 < count <= 6:
+            axis.legend(fontsize="x-small", ncol=count)
+        return
+    axis.fill_between(
+        x,
+        np.nanmin(values, axis=1),
+        np.nanmax(values, axis=1),
+        alpha=0.3,
+        label=f"min-max of {count}",
+    )
+    axis.plot(x, np.nanmean(values, axis=1), lw=1.5, label="mean")
+    axis.legend(fontsize="x-small")
