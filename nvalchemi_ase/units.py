@@ -268,3 +268,21 @@ def kinetic_temperature_K(kinetic_energy: Scalar, degrees_of_freedom: Scalar) ->
         Temperature in K, 2 E_kin / (dof k_B) with ``ase.units.kB``.
     """
     return 2.0 * kinetic_energy / (degrees_of_freedom * ase_units.kB)
+
+
+def thermal_energy_nvalchemi(temperature: Scalar) -> Scalar:
+    """Thermal energy of a temperature given in nvalchemi's convention.
+
+    Parameters
+    ----------
+    temperature : float, numpy.ndarray or torch.Tensor
+        Temperature in K as nvalchemi's engines take it (their ``KB_EV``; an
+        ASE temperature goes through :func:`temperature_K_to_nvalchemi` first).
+
+    Returns
+    -------
+    float, numpy.ndarray or torch.Tensor
+        k_B T in eV, with ``KB_EV_NVALCHEMI``; for an ASE temperature converted
+        as above this equals ``ase.units.kB * temperature_K``.
+    """
+    return temperature * KB_EV_NVALCHEMI

@@ -9,21 +9,32 @@ class                      nvalchemi engine
 ``IsotropicMTKNPT``        ``NPT(pressure_coupling="isotropic")``
 ``MTKNPT``                 ``NPT(pressure_coupling="triclinic")``
 ``NPH``                    ``NPH`` (no ASE counterpart)
+``Bussi``                  ``nvalchemi_ase.engines.NVTBussi``
+``NVTBerendsen``           ``nvalchemi_ase.engines.NVTBerendsen`` (ASE's path)
+``Andersen``               ``nvalchemi_ase.engines.NVTAndersen``
 =========================  ======================================================
+
+The last three run batched engines of this package (nvalchemi 0.3 has none).
 """
 
+from nvalchemi_ase.md.andersen import Andersen
+from nvalchemi_ase.md.bussi import Bussi
 from nvalchemi_ase.md.langevin import Langevin
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.md.nosehoover import NoseHooverChainNVT
 from nvalchemi_ase.md.npt import MTKNPT, NPH, IsotropicMTKNPT
+from nvalchemi_ase.md.nvtberendsen import NVTBerendsen
 from nvalchemi_ase.md.verlet import VelocityVerlet
 
 __all__ = [
     "MTKNPT",
     "NPH",
+    "Andersen",
     "BatchedMolecularDynamics",
+    "Bussi",
     "IsotropicMTKNPT",
     "Langevin",
+    "NVTBerendsen",
     "NoseHooverChainNVT",
     "VelocityVerlet",
 ]

@@ -7,11 +7,26 @@ class          nvalchemi engine                    with a cell filter
                                                    never moves the cell)
 ``FIRE2``      ``FIRE2``                           ``FIRE2VariableCell``
 ``LBFGS``      ``LBFGS``                           ``LBFGSVariableCell``
+``BFGS``       ``nvalchemi_ase.engines.BFGS``      refused (use LBFGS or FIRE2)
+``MDMin``      ``nvalchemi_ase.engines.MDMin``     refused (use LBFGS or FIRE2)
 =============  ==================================  =================================
+
+``BFGS`` and ``MDMin`` run batched engines of this package (nvalchemi 0.3 has
+none): each structure follows ASE's path for it step for step.
 """
 
+from nvalchemi_ase.optimize.bfgs import BFGS
 from nvalchemi_ase.optimize.fire import FIRE, FIRE2
 from nvalchemi_ase.optimize.lbfgs import LBFGS
+from nvalchemi_ase.optimize.mdmin import MDMin
 from nvalchemi_ase.optimize.optimize import DEFAULT_MAX_STEPS, BatchedOptimizer
 
-__all__ = ["DEFAULT_MAX_STEPS", "FIRE", "FIRE2", "LBFGS", "BatchedOptimizer"]
+__all__ = [
+    "BFGS",
+    "DEFAULT_MAX_STEPS",
+    "FIRE",
+    "FIRE2",
+    "LBFGS",
+    "BatchedOptimizer",
+    "MDMin",
+]

@@ -1,0 +1,33 @@
+"""Batched nvalchemi engines for ASE algorithms nvalchemi 0.3 does not have.
+
+Each class is an ``nvalchemi.dynamics.base.BaseDynamics`` subclass following
+nvalchemi's recipe (``__needs_keys__``/``__provides_keys__``,
+``pre_update``/``post_update`` under ``torch.no_grad()``, per-structure state in
+``self._state``), so it runs on a ``Batch`` with nvalchemi's hooks, convergence
+checks and ``status`` masking, and (through :mod:`nvalchemi_ase.md` and
+:mod:`nvalchemi_ase.optimize`) from ASE.
+
+================  ==============================  ==============================
+engine            ASE algorithm                   ASE-style class
+================  ==============================  ==============================
+``BFGS``          ``ase.optimize.BFGS``           ``nvalchemi_ase.optimize.BFGS``
+``MDMin``         ``ase.optimize.MDMin``          ``nvalchemi_ase.optimize.MDMin``
+``NVTBussi``      ``ase.md.bussi.Bussi``          ``nvalchemi_ase.md.Bussi``
+``NVTBerendsen``  ``ase.md.nvtberendsen``         ``nvalchemi_ase.md.NVTBerendsen``
+``NVTAndersen``   ``ase.md.andersen``             ``nvalchemi_ase.md.Andersen``
+================  ==============================  ==============================
+
+Units follow nvalchemi: integrator time steps and coupling times in fs,
+temperatures in K (``KB_EV``), velocities in Å per ASE time unit; the
+optimizers' ``dt`` (MDMin) is in the internal (= ASE) time unit, as for
+nvalchemi's FIRE. Importing this package imports nvalchemi; the ASE-style
+classes import it lazily through :func:`nvalchemi_ase._quiet.import_quietly`.
+"""
+
+from nvalchemi_ase.engines.andersen import NVTAndersen
+from nvalchemi_ase.engines.berendsen import NVTBerendsen
+from nvalchemi_ase.engines.bfgs import BFGS
+from nvalchemi_ase.engines.bussi import NVTBussi
+from nvalchemi_ase.engines.mdmin import MDMin
+
+__all__ = ["BFGS", "MDMin", "NVTAndersen", "NVTBerendsen", "NVTBussi"]

@@ -1,0 +1,246 @@
+"""Velocity Verlet with thermostat hooks: the base of the NVT engines here.
+
+One step, split around the force evaluation as nvalchemi's integrators are::
+
+    pre_update:   thermostat (before kick) → v += ½ dt F/m → thermostat (before
+                  drift) → x += dt v
+    [model evaluates F(x(t + dt))]
+    post_update:  v += ½ dt F/m → thermostat (after kick)
+
+Frozen atoms (``atom_categories == -1``) get no kick, no drift and zero
+velocity here, whether or not ``FreezeAtomsHook`` also runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from nvalchemi.data import Batch
+from nvalchemi.dynamics.base import BaseDynamics
+
+from nvalchemi_ase.engines._common import (
+    finite_positive,
+    free_atoms,
+    mixed_seed,
+    per_graph_sum,
+    refuse_by_group,
+)
+from nvalchemi_ase.units import fs_to_ase_time
+
+if TYPE_CHECKING:
+    from nvalchemi.dynamics.base import ConvergenceHook
+    from nvalchemi.hooks import Hook
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = ["ThermostattedVerlet"]
+
+
+class ThermostattedVerlet(BaseDynamics):
+    """Velocity Verlet whose subclasses act on velocities around the kicks.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The potential.
+    dt : float
+        Time step, fs (nvalchemi's integrator convention).
+    random_seed : int, optional
+        Seed of the engine's ``torch.Generator`` (stochastic subclasses). Each
+        step reseeds it from ``random_seed`` and ``step_count``, so
+        ``state_dict``/``load_state_dict`` and ``seed_offset`` reproduce and
+        shift the noise exactly as they do for ``NVTLangevin``.
+    n_steps : int, optional
+        Default step count of ``run``.
+    hooks : list of Hook, optional
+        Hooks to register.
+    convergence_hook : ConvergenceHook or dict, optional
+        Convergence criteria.
+    **kwargs
+        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+    """
+
+    __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
+    __provides_keys__: set[str] = {"positions", "velocities"}  # noqa: RUF012
+
+    def __init__(
+        self,
+        model: BaseModelMixin,
+        dt: float,
+        *,
+        random_seed: int | None = None,
+        n_steps: int | None = None,
+        hooks: list[Hook] | None = None,
+        convergence_hook: ConvergenceHook | dict | None = None,
+        **kwargs: Any,
+    ) -> None:
+        refuse_by_group(type(self).__name__, kwargs)
+        super().__init__(
+            model=model,
+            hooks=hooks,
+            convergence_hook=convergence_hook,
+            n_steps=n_steps,
+            **kwargs,
+        )
+        self.dt = finite_positive("dt (fs)", dt)
+        self._dt_internal = fs_to_ase_time(self.dt)
+        if random_seed is not None:
+            self._random_seed = int(random_seed)
+        self._generator: torch.Generator | None = None
+
+    # -- randomness -------------------------------------------------------------
+
+    @property
+    def random_seed(self) -> int | None:
+        """Base seed of the noise (None for deterministic engines)."""
+        return getattr(self, "_random_seed", None)
+
+    @random_seed.setter
+    def random_seed(self, value: int) -> None:
+        self._random_seed = int(value)
+
+    def _step_generator(self, device: torch.device) -> torch.Generator:
+        """Return the generator, seeded for the current ``step_count``."""
+        seed = self.random_seed
+        if seed is None:
+            raise RuntimeError(f"{type(self).__name__} was built without random_seed")
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(mixed_seed(seed, self.step_count))
+        return self._generator
+
+    # -- the step ---------------------------------------------------------------
+
+    def pre_update(self, batch: Batch) -> None:
+        """Thermostat, half kick, thermostat, drift; positions and velocities.
+
+        Parameters
+        ----------
+        batch : Batch
+            Updated in place: ``velocities`` [V, 3] Å/ASE-time and
+            ``positions`` [V, 3] Å.
+        """
+        self._check_batch(batch)
+        with torch.no_grad():
+            free = free_atoms(batch).unsqueeze(-1)
+            self.before_first_kick(batch, free)
+            self._half_kick(batch, free)
+            self.before_drift(batch, free)
+            velocities = batch.velocities
+            velocities.copy_(torch.where(free, velocities, 0.0))
+            batch.positions.add_(self._dt_internal * velocities)
+
+    def post_update(self, batch: Batch) -> None:
+        """Second half kick with the new forces, then the thermostat.
+
+        Parameters
+        ----------
+        batch : Batch
+            ``velocities`` [V, 3] updated in place.
+        """
+        with torch.no_grad():
+            free = free_atoms(batch).unsqueeze(-1)
+            self._half_kick(batch, free)
+            self.after_second_kick(batch, free)
+
+    def _half_kick(self, batch: Batch, free: torch.Tensor) -> None:
+        acceleration = batch.forces.detach() / batch.atomic_masses.unsqueeze(-1)
+        kick = torch.where(free, 0.5 * self._dt_internal * acceleration, 0.0)
+        batch.velocities.add_(kick)
+
+    def _check_batch(self, batch: Batch) -> None:
+        state = getattr(self, "_state", None)
+        if state is not None and state.num_graphs != batch.num_graphs:
+            raise RuntimeError(
+                f"{type(self).__name__} holds state for {state.num_graphs} graphs but "
+                f"the batch has {batch.num_graphs}; build one engine per batch "
+                "composition"
+            )
+
+    # -- subclass interface -----------------------------------------------------
+
+    def before_first_kick(self, batch: Batch, free: torch.Tensor) -> None:
+        """Act on velocities at the start of the step (default: nothing).
+
+        Parameters
+        ----------
+        batch : Batch
+            The batch; ``velocities`` may be changed in place.
+        free : torch.Tensor, shape [V, 1] bool
+            Atoms that are not frozen.
+        """
+
+    def before_drift(self, batch: Batch, free: torch.Tensor) -> None:
+        """Act on velocities between the first kick and the drift (default: nothing).
+
+        Parameters
+        ----------
+        batch : Batch
+            The batch; ``velocities`` may be changed in place.
+        free : torch.Tensor, shape [V, 1] bool
+            Atoms that are not frozen.
+        """
+
+    def after_second_kick(self, batch: Batch, free: torch.Tensor) -> None:
+        """Act on velocities at the end of the step (default: nothing).
+
+        Parameters
+        ----------
+        batch : Batch
+            The batch; ``velocities`` may be changed in place.
+        free : torch.Tensor, shape [V, 1] bool
+            Atoms that are not frozen.
+        """
+
+
+def kinetic_energy(batch: Batch) -> torch.Tensor:
+    """Kinetic energy of each structure, eV, shape [B].
+
+    Parameters
+    ----------
+    batch : Batch
+        ``velocities`` [V, 3] Å/ASE-time and ``atomic_masses`` [V] amu (in
+        these units ½ m v² is in eV).
+
+    Returns
+    -------
+    torch.Tensor, shape [B]
+    """
+    velocities = batch.velocities
+    per_atom = 0.5 * batch.atomic_masses * (velocities * velocities).sum(dim=-1)
+    return per_graph_sum(per_atom, batch)
+
+
+def degrees_of_freedom(batch: Batch, free: torch.Tensor) -> torch.Tensor:
+    """Degrees of freedom as ASE counts them: 3 per atom not frozen, shape [B].
+
+    Parameters
+    ----------
+    batch : Batch
+        The batch.
+    free : torch.Tensor, shape [V, 1] or [V] bool
+        Atoms that are not frozen.
+
+    Returns
+    -------
+    torch.Tensor, shape [B], dtype of the positions
+    """
+    count = per_graph_sum(free.reshape(-1).to(batch.positions.dtype), batch)
+    return 3.0 * count
+
+
+def remove_com_velocity(batch: Batch, free: torch.Tensor) -> None:
+    """Subtract each structure's centre-of-mass velocity from its free atoms.
+
+    Parameters
+    ----------
+    batch : Batch
+        ``velocities`` [V, 3] updated in place.
+    free : torch.Tensor, shape [V, 1] bool
+        Atoms that are not frozen; the centre of mass is theirs.
+    """
+    masses = torch.where(free, batch.atomic_masses.unsqueeze(-1), 0.0)
+    momentum = per_graph_sum(masses * batch.velocities, batch)
+    mass = per_graph_sum(masses, batch).clamp_min(torch.finfo(masses.dtype).tiny)
+    com_velocity = (momentum / mass)[batch.batch_idx.long()]
+    batch.velocities.sub_(torch.where(free, com_velocity, 0.0))

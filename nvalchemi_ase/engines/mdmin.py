@@ -1,0 +1,153 @@
+"""``MDMin``: damped molecular-dynamics relaxation with velocity projection.
+
+Each step of structure b, with forces F (frozen atoms' zero) and unit masses:
+
+1. After the first step: half kick v ← v + ½ dt F, then keep only the part of
+   v along F, v ← F (v·F)/(F·F), or v ← 0 if v·F < 0 (moving uphill).
+2. Half kick v ← v + ½ dt F; displacement Δ = dt v.
+3. If the longest atomic displacement exceeds ``maxstep``, scale Δ by
+   ``maxstep / (1e-6 + longest)`` (the velocity is kept as it is).
+
+This is the algorithm of ASE's ``MDMin``; the dot products are per structure.
+The velocity is ``batch.velocities`` (fictitious, unit mass), which
+nvalchemi's base class already keeps for graphs with ``status >= exit_status``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from nvalchemi.data import Batch
+from nvalchemi.dynamics.base import BaseDynamics
+
+from nvalchemi_ase.engines._common import (
+    active_graphs,
+    finite_positive,
+    free_atoms,
+    keep_inactive,
+    make_state,
+    per_graph_max,
+    per_graph_sum,
+    refuse_by_group,
+)
+
+if TYPE_CHECKING:
+    from nvalchemi.dynamics.base import ConvergenceHook
+    from nvalchemi.hooks import Hook
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = ["MDMin"]
+
+#: Added to the longest displacement before dividing (ASE's guard), Å.
+STEP_GUARD = 1e-6
+
+
+class MDMin(BaseDynamics):
+    """Batched MDMin relaxation (ASE's algorithm).
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The potential.
+    dt : float
+        Fictitious time step with unit masses, in the internal (= ASE) time
+        unit, as nvalchemi's optimizers take it (ASE's default 0.2).
+    maxstep : float
+        Largest atomic displacement per step, Å (ASE's default 0.2).
+    n_steps : int, optional
+        Default step count of ``run``.
+    hooks : list of Hook, optional
+        Hooks to register.
+    convergence_hook : ConvergenceHook or dict, optional
+        Convergence criteria.
+    **kwargs
+        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+
+    Notes
+    -----
+    State per structure: ``started`` [B] bool (the first step skips the
+    projection), kept unchanged for graphs with ``status >= exit_status``.
+    The velocities start from ``batch.velocities`` (zero for a fresh
+    relaxation). The whole step happens in ``pre_update``.
+    """
+
+    __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
+    __provides_keys__: set[str] = {"positions", "velocities"}  # noqa: RUF012
+    samples_equilibrium: ClassVar[bool] = False
+    _post_update_is_noop = True
+
+    def __init__(
+        self,
+        model: BaseModelMixin,
+        dt: float = 0.2,
+        maxstep: float = 0.2,
+        n_steps: int | None = None,
+        hooks: list[Hook] | None = None,
+        convergence_hook: ConvergenceHook | dict | None = None,
+        **kwargs: Any,
+    ) -> None:
+        refuse_by_group(type(self).__name__, kwargs)
+        super().__init__(
+            model=model,
+            hooks=hooks,
+            convergence_hook=convergence_hook,
+            n_steps=n_steps,
+            **kwargs,
+        )
+        self.dt = finite_positive("dt", dt)
+        self.maxstep = finite_positive("maxstep (Å)", maxstep)
+
+    def _init_state(self, batch: Batch) -> None:
+        self._state = self._new_state(batch.num_graphs, batch.device)
+
+    def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
+        return self._new_state(n, template_batch.device)
+
+    @staticmethod
+    def _new_state(count: int, device: torch.device) -> Batch:
+        started = torch.zeros(count, dtype=torch.bool, device=device)
+        return make_state({"started": started}, device)
+
+    def pre_update(self, batch: Batch) -> None:
+        """Project and kick the velocities, then move every structure.
+
+        Parameters
+        ----------
+        batch : Batch
+            ``velocities`` [V, 3] and ``positions`` [V, 3] Å updated in place
+            from ``forces`` [V, 3] eV/Å.
+        """
+        state = self._state
+        if state.num_graphs != batch.num_graphs:
+            raise RuntimeError(
+                f"MDMin holds state for {state.num_graphs} graphs but the batch has "
+                f"{batch.num_graphs}; build one engine per batch composition"
+            )
+        with torch.no_grad():
+            index = batch.batch_idx.long()
+            free = free_atoms(batch).unsqueeze(-1)
+            forces = torch.where(free, batch.forces.detach(), 0.0)
+            half_kick = 0.5 * self.dt * forces
+            kicked = batch.velocities + half_kick
+            along = per_graph_sum((kicked * forces).sum(dim=-1), batch)
+            squared = per_graph_sum((forces * forces).sum(dim=-1), batch)
+            factor = torch.where(
+                (along > 0) & (squared > 0), along / squared, torch.zeros_like(along)
+            )
+            projected = forces * factor[index].unsqueeze(-1)
+            started = state.started[index].unsqueeze(-1)
+            velocities = torch.where(started, projected, 0.0) + half_kick
+            displacement = self.dt * velocities
+            longest = per_graph_max(displacement.norm(dim=-1), batch)
+            scale = (self.maxstep / (STEP_GUARD + longest)).clamp(0.0, 1.0)
+            batch.velocities.copy_(velocities)
+            batch.positions.add_(displacement * scale[index].unsqueeze(-1))
+            keep_inactive(
+                state.started,
+                torch.ones_like(state.started),
+                active_graphs(self, batch),
+            )
+
+    def post_update(self, batch: Batch) -> None:
+        """No-op: the next step uses the forces at the new positions."""

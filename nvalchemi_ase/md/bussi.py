@@ -1,0 +1,107 @@
+"""``Bussi``: stochastic velocity rescaling NVT on ``engines.NVTBussi``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.md.langevin import resolve_seed
+from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+
+__all__ = ["Bussi"]
+
+
+class Bussi(BatchedMolecularDynamics):
+    """Bussi–Donadio–Parrinello NVT for many structures, as ``ase.md.bussi.Bussi``.
+
+    Velocity Verlet preceded, every step, by a stochastic rescaling of each
+    structure's velocities (Bussi et al., J. Chem. Phys. 126, 014101 (2007)).
+    The kinetic energy samples the canonical distribution of N_f = 3 × (atoms
+    not fixed by ``FixAtoms``) degrees of freedom, ASE's count. The random
+    numbers come from a seeded ``torch.Generator``, not from ``rng`` directly,
+    so trajectories differ from ASE's while the ensemble is the same.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures with their momenta (each must have kinetic energy, as in
+        ASE).
+    timestep : float
+        Time step, ASE time units.
+    temperature_K : float or array_like, shape (B,)
+        Target temperature(s), K.
+    taut : float or array_like, shape (B,)
+        Thermostat time constant(s), ASE time units (``100 * ase.units.fs``).
+    rng : numpy.random.Generator or RandomState, optional
+        Source of the engine's seed (ASE's argument).
+    seed : int, optional
+        Engine seed; the same seed and batch reproduce the same trajectories.
+    **kwargs
+        ``trajectory``, ``logfile``, ``loginterval`` and the options of
+        :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        timestep: float,
+        temperature_K: float | Sequence[float],
+        taut: float | Sequence[float],
+        rng: Any = None,
+        *,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.temperature_K = temperature_K
+        self.taut = taut
+        self.seed = resolve_seed(seed, rng)
+        super().__init__(images, timestep, **kwargs)
+
+    @property
+    def transferred_energy(self) -> npt.NDArray[np.float64]:
+        """Energy the thermostat has added to each structure, eV, shape (B,).
+
+        ``Etot - transferred_energy`` is conserved up to the integration error
+        (ASE's attribute of the same name, one value per structure).
+        """
+        energy = self.engine.transferred_energy
+        if energy is None:
+            return np.zeros(len(self.images))
+        return energy.detach().cpu().numpy().astype(np.float64)
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description plus the thermostat parameters."""
+        return super().todict() | {
+            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "taut": np.asarray(self.taut).tolist(),
+            "seed": self.seed,
+        }
+
+    def _check_inputs(self) -> None:
+        self._per_structure("temperature_K", self.temperature_K)
+        self._per_structure("taut", self.taut, strict=True)
+        for index, atoms in enumerate(self.images):
+            if np.isclose(atoms.get_kinetic_energy(), 0.0, rtol=0.0, atol=1e-12):
+                raise ValueError(
+                    f"images[{index}] has zero kinetic energy; Bussi rescales "
+                    "velocities and cannot heat a structure at rest. Set initial "
+                    "velocities first (e.g. MaxwellBoltzmannDistribution)"
+                )
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        engines = import_quietly("nvalchemi_ase.engines.bussi")
+        temperature = self._per_structure("temperature_K", self.temperature_K)
+        taut = self._per_structure("taut", self.taut, strict=True)
+        return engines.NVTBussi(
+            self.model,
+            dt=ase_time_to_fs(self.dt),
+            temperature=temperature_K_to_nvalchemi(temperature),
+            taut=ase_time_to_fs(taut),
+            random_seed=self.seed,
+            hooks=hooks,
+        )

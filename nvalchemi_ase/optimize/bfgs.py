@@ -1,0 +1,93 @@
+"""``BFGS`` with ASE's arguments, on the batched engine ``engines.BFGS``."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+
+__all__ = ["BFGS"]
+
+#: ASE's defaults: largest atomic step (Å) and initial Hessian (eV/Å²).
+DEFAULT_MAXSTEP = 0.2
+DEFAULT_ALPHA = 70.0
+
+
+class BFGS(BatchedOptimizer):
+    """BFGS for many structures at once, as ``ase.optimize.BFGS``.
+
+    Every structure keeps its own dense Hessian and follows exactly the path
+    ASE's ``BFGS`` would give it alone (same steps, same step count); the
+    structures are advanced together and stop one by one as they converge.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures to relax (fixed cell; ``FixAtoms`` honoured). Cell filters
+        are refused: use ``LBFGS`` or ``FIRE2`` for variable-cell relaxation.
+    restart, logfile, trajectory, append_trajectory
+        See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
+    maxstep : float, optional
+        Largest displacement of an atom per step, Å (default 0.2). Steps are
+        scaled down as a whole, keeping their direction.
+    alpha : float, optional
+        Initial Hessian guess, eV/Å² times identity (default 70).
+    **kwargs
+        ``loginterval``, ``model``, ``device``, ``dtype``, ``neighbor_skin``.
+
+    Notes
+    -----
+    Memory is one (3N)² Hessian per structure, padded to the largest
+    structure of the batch, and each step diagonalises them all: like ASE's
+    BFGS this is meant for structures up to a few hundred atoms (use
+    ``LBFGS`` beyond).
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        restart: Any = None,
+        logfile: Any = "-",
+        trajectory: Any = None,
+        append_trajectory: bool = False,
+        maxstep: float | None = None,
+        alpha: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.maxstep = DEFAULT_MAXSTEP if maxstep is None else float(maxstep)
+        self.alpha = DEFAULT_ALPHA if alpha is None else float(alpha)
+        super().__init__(
+            images,
+            restart,
+            logfile,
+            trajectory,
+            append_trajectory=append_trajectory,
+            **kwargs,
+        )
+
+    def _check_inputs(self) -> None:
+        super()._check_inputs()
+        if self.cell_filter is not None:
+            raise ValueError(
+                "BFGS with a cell filter is not supported; use LBFGS or FIRE2 with "
+                "FrechetCellFilter"
+            )
+        for name in ("maxstep", "alpha"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+        if self.maxstep > 1.0:
+            warnings.warn(
+                f"You are using a *very* large value for the maximum step size: "
+                f"{self.maxstep:.1f} Å",
+                UserWarning,
+                stacklevel=5,
+            )
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        engines = import_quietly("nvalchemi_ase.engines.bfgs")
+        return engines.BFGS(
+            self.model, maxstep=self.maxstep, alpha=self.alpha, hooks=hooks
+        )

@@ -1,0 +1,72 @@
+"""``MDMin`` with ASE's arguments, on the batched engine ``engines.MDMin``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+
+__all__ = ["MDMin"]
+
+#: ASE's defaults: time step (ASE time units, unit masses) and largest step (Å).
+DEFAULT_DT = 0.2
+DEFAULT_MAXSTEP = 0.2
+
+
+class MDMin(BatchedOptimizer):
+    """MDMin for many structures at once, as ``ase.optimize.MDMin``.
+
+    Each structure follows the path ASE's ``MDMin`` would give it alone: its
+    velocity is projected on its own forces (dot products per structure).
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        Structures to relax (fixed cell; ``FixAtoms`` honoured).
+    restart, logfile, trajectory
+        See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
+    dt : float, optional
+        Time step of the damped motion, ASE time units with unit masses
+        (default 0.2, as ASE).
+    maxstep : float, optional
+        Largest displacement of an atom per step, Å (default 0.2).
+    **kwargs
+        ``append_trajectory``, ``loginterval``, ``model``, ``device``,
+        ``dtype``, ``neighbor_skin``.
+    """
+
+    def __init__(
+        self,
+        images: Any,
+        restart: Any = None,
+        logfile: Any = "-",
+        trajectory: Any = None,
+        dt: float | None = None,
+        maxstep: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # ASE treats 0 / None as "use the default" (``dt or default``).
+        self.dt = float(dt) if dt else DEFAULT_DT
+        self.maxstep = float(maxstep) if maxstep else DEFAULT_MAXSTEP
+        super().__init__(images, restart, logfile, trajectory, **kwargs)
+
+    def _check_inputs(self) -> None:
+        super()._check_inputs()
+        if self.cell_filter is not None:
+            raise ValueError(
+                "MDMin with a cell filter is not supported; use LBFGS or FIRE2 with "
+                "FrechetCellFilter"
+            )
+        for name in ("dt", "maxstep"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description plus the time step."""
+        return super().todict() | {"dt": self.dt}
+
+    def _build_engine(self, hooks: list[Any]) -> Any:
+        engines = import_quietly("nvalchemi_ase.engines.mdmin")
+        return engines.MDMin(self.model, dt=self.dt, maxstep=self.maxstep, hooks=hooks)
