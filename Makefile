@@ -8,18 +8,18 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml setup.cfg | $(PY)
-	$(PIP) install --quiet -e .
+	$(PIP) install --quiet -e ".[sevennet]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.cfg | $(PY)
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test,sevennet]"
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -27,6 +27,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest
+
+bench: $(VENV)/.installed-test
+	$(PY) -m benchmarks
 
 lint: $(VENV)/.installed-test
 	$(PIP) install --quiet ruff mypy

@@ -13,6 +13,11 @@ name               model                                       parameters (units
                                                                ``switch_width`` (Å)
 ``"demo"``         ``DemoModelWrapper(DemoModel())`` (random   ``seed``,
                    weights; a test model, not physics)         ``hidden_dim``
+``"sevennet-0"``   SevenNet-0 (11 Jul 2024; alias              none
+                   ``"7net-0"``): universal potential, 89
+                   elements (MPtrj, PBE), 5 Å cutoff, float32
+                   weights, batched; extra ``sevennet``
+                   (weights ship in the ``sevenn`` wheel)
 =================  ==========================================  =====================
 """
 
@@ -23,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nvalchemi_ase.models import builtin
+from nvalchemi_ase.models import builtin, sevennet
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -39,6 +44,8 @@ __all__ = [
 _FACTORIES: dict[str, Callable[..., BaseModelMixin]] = {
     "lj": builtin.lennard_jones,
     "demo": builtin.demo,
+    "sevennet-0": sevennet.sevennet_0,
+    "7net-0": sevennet.sevennet_0,
 }
 
 
