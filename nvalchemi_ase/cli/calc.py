@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     )
     output = Path(args.output)
     output.unlink(missing_ok=True)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for chunk in batches(sources, args.batch_size, args.max_atoms):
         images = [source.atoms.copy() for _, source in chunk]
         results = calc.calculate_batch(images, properties)

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     trajectory_dir = Path(args.trajectories) if args.trajectories else None
     if trajectory_dir is not None:
         trajectory_dir.mkdir(parents=True, exist_ok=True)
-    rows, converged = [], 0
+    rows: list[tuple[str, ...]] = []
+    converged = 0
     for number, chunk in enumerate(batches(sources, args.batch_size, args.max_atoms)):
         images, results = _relax_chunk(
             args, calc, chunk, trajectory_dir, output, number

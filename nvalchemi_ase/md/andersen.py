@@ -10,7 +10,7 @@ import numpy as np
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.langevin import resolve_seed
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["Andersen"]
 
@@ -94,11 +94,10 @@ class Andersen(BatchedMolecularDynamics):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         engines = import_quietly("nvalchemi_ase.engines.andersen")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         return engines.NVTAndersen(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             collision_probability=self._probabilities(),
             fix_com=self.fix_com,
             random_seed=self.seed,

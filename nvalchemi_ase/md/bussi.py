@@ -11,7 +11,7 @@ import numpy.typing as npt
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.langevin import resolve_seed
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["Bussi"]
 
@@ -95,12 +95,11 @@ class Bussi(BatchedMolecularDynamics):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         engines = import_quietly("nvalchemi_ase.engines.bussi")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         taut = self._per_structure("taut", self.taut, strict=True)
         return engines.NVTBussi(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             taut=ase_time_to_fs(taut),
             random_seed=self.seed,
             hooks=hooks,

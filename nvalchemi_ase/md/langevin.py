@@ -12,7 +12,6 @@ from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.units import (
     ase_rate_to_per_fs,
     ase_time_to_fs,
-    temperature_K_to_nvalchemi,
 )
 
 __all__ = ["Langevin", "resolve_seed"]
@@ -106,12 +105,11 @@ class Langevin(BatchedMolecularDynamics):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         dynamics = import_quietly("nvalchemi.dynamics")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         friction = self._per_structure("friction", self.friction, strict=True)
         return dynamics.NVTLangevin(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             friction=ase_rate_to_per_fs(friction),
             random_seed=self.seed,
             hooks=hooks,

@@ -19,6 +19,7 @@ from nvalchemi_ase.dynamics.logs import (
     open_log,
     per_structure_targets,
 )
+from nvalchemi_ase.units import temperature_K_to_nvalchemi
 
 __all__ = ["BatchedMolecularDynamics"]
 
@@ -188,6 +189,13 @@ class BatchedMolecularDynamics(BatchedDynamics):
         )
 
     # -- shared parameter handling ---------------------------------------------
+
+    def _engine_temperature(self) -> torch.Tensor:
+        """``self.temperature_K`` per structure [B], rescaled to nvalchemi's kB."""
+        temperature_K = getattr(self, "temperature_K")  # noqa: B009 - set by thermostats
+        return temperature_K_to_nvalchemi(
+            self._per_structure("temperature_K", temperature_K)
+        )
 
     def _per_structure(
         self,

@@ -9,7 +9,7 @@ import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["NoseHooverChainNVT"]
 
@@ -70,12 +70,11 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         dynamics = import_quietly("nvalchemi.dynamics")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         tdamp = self._per_structure("tdamp", self.tdamp, strict=True)
         return dynamics.NVTNoseHoover(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             thermostat_time=ase_time_to_fs(tdamp),
             chain_length=self.tchain,
             hooks=hooks,

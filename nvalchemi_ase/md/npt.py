@@ -12,7 +12,7 @@ import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["MTKNPT", "NPH", "IsotropicMTKNPT"]
 
@@ -114,11 +114,10 @@ class IsotropicMTKNPT(_VariableCellMD):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         dynamics = import_quietly("nvalchemi.dynamics")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         return dynamics.NPT(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             pressure=self._pressure(self.pressure_au),
             barostat_time=ase_time_to_fs(float(self.pdamp)),
             thermostat_time=ase_time_to_fs(float(self.tdamp)),

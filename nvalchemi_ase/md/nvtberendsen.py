@@ -9,7 +9,7 @@ import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.units import ase_time_to_fs, temperature_K_to_nvalchemi
+from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["NVTBerendsen"]
 
@@ -82,12 +82,11 @@ class NVTBerendsen(BatchedMolecularDynamics):
 
     def _build_engine(self, hooks: list[Any]) -> Any:
         engines = import_quietly("nvalchemi_ase.engines.berendsen")
-        temperature = self._per_structure("temperature_K", self.temperature_K)
         taut = self._per_structure("taut", self.taut, strict=True)
         return engines.NVTBerendsen(
             self.model,
             dt=ase_time_to_fs(self.dt),
-            temperature=temperature_K_to_nvalchemi(temperature),
+            temperature=self._engine_temperature(),
             taut=ase_time_to_fs(taut),
             fix_com=self.fix_com,
             hooks=hooks,
