@@ -1,0 +1,633 @@
+"""The nvalchemi_ase benchmark suite: ratios measured in one process run.
+
+Run ``python -m benchmarks`` (about 10 minutes on a 2-core CPU) or
+``python -m benchmarks --quick`` (under a minute; checks that every benchmark
+runs, the numbers are not meaningful). ``--device cuda`` runs the same figures on
+a GPU with bigger sizes. The markdown report is printed and written to
+``docs/performance.md`` (``--output`` to change), with the machine, the versions
+and the date. Every figure is a ratio of medians over repeats after warm-up,
+both sides timed in the same process.
+
+1. Layer overhead: ASE-style ``VelocityVerlet``/``FIRE`` over B structures vs the
+   same nvalchemi engine driven directly on the same ``Batch``; then with a
+   trajectory frame every 10 steps.
+2. Batched vs ASE sequential: one batched object vs the same structures run one
+   after another with ASE's ``VelocityVerlet``/``FIRE`` and ``NVAlchemiCalculator``
+   (LJ argon; SevenNet-0 also against its own ``SevenNetCalculator``).
+3. Calculator overhead: ``get_forces()`` on one ``Atoms`` vs neighbour list plus
+   model forward on a pre-built batch.
+4. Adapter throughput: ``atoms_to_batch``/``batch_to_atoms`` on 10,000 small
+   structures vs ``AtomicData.from_atoms`` + ``Batch.from_data_list`` /
+   ``Batch.to_data_list``.
+5. Scaling: time per MD step against total atoms, and the log-log slope.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ARGON_A = 5.26  # Å
+
+
+@dataclass
+class Settings:
+    """Sizes and repeat counts of one benchmark run."""
+
+    device: str
+    quick: bool
+    repeats: int
+    md_steps: int
+    sizes: tuple[int, ...]  # atoms per structure (LJ)
+    batch_sizes: tuple[int, ...]
+    scaling_atoms: tuple[int, ...]
+    adapter_count: int
+    sevennet_sizes: tuple[int, ...] = (16, 32, 64)
+    sevennet_count: int = 32
+
+
+@dataclass
+class Report:
+    """Markdown sections collected while the benchmarks run."""
+
+    sections: list[str] = field(default_factory=list)
+
+    def table(
+        self, title: str, header: list[str], rows: list[list[str]], note: str = ""
+    ) -> None:
+        lines = [f"## {title}", ""]
+        if note:
+            lines += [note, ""]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        self.sections.append("\n".join(lines))
+        print("\n" + self.sections[-1] + "\n", flush=True)
+
+
+def median_time(function: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``function()`` over ``repeats`` calls after ``warmup``."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def argon(atoms_per_structure: int, seed: int) -> Any:
+    """A rattled fcc argon crystal with about ``atoms_per_structure`` atoms."""
+    from ase.build import bulk
+
+    cells = max(1, round((atoms_per_structure / 4) ** (1 / 3)))
+    reps = (cells, cells, cells)
+    if atoms_per_structure == 16:
+        reps = (2, 2, 1)
+    atoms = bulk("Ar", "fcc", a=ARGON_A, cubic=True).repeat(reps)
+    atoms.rattle(0.05, seed=seed)
+    return atoms
+
+
+def thermalized(atoms: Any, temperature_K: float, seed: int) -> Any:
+    from ase import units
+
+    rng = np.random.default_rng(seed)
+    masses = atoms.get_masses()[:, None]
+    atoms.set_momenta(
+        rng.normal(size=(len(atoms), 3)) * np.sqrt(masses * units.kB * temperature_K)
+    )
+    return atoms
+
+
+# ---------------------------------------------------------------------------
+# 1. layer overhead
+# ---------------------------------------------------------------------------
+
+
+def layer_overhead(settings: Settings, report: Report) -> None:
+    from ase import units
+
+    from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
+    from nvalchemi_ase._quiet import import_quietly
+    from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
+    from nvalchemi_ase.dynamics.engine import neighbor_hooks
+    from nvalchemi_ase.md import VelocityVerlet
+    from nvalchemi_ase.optimize import FIRE
+    from nvalchemi_ase.units import ase_time_to_fs
+
+    dynamics = import_quietly("nvalchemi.dynamics")
+    calc = NVAlchemiCalculator(
+        "lj", device=settings.device, dtype="float32", switch_width=1.0
+    )
+    model = calc.model
+    batch_size = 8 if settings.quick else 32
+    steps = settings.md_steps
+    rows = []
+
+    def images() -> list[Any]:
+        structures = [thermalized(argon(108, s), 40.0, s) for s in range(batch_size)]
+        for atoms in structures:
+            atoms.calc = calc
+        return structures
+
+    def raw_nve() -> None:
+        batch = atoms_to_batch(images(), device=settings.device, dtype="float32")
+        engine = dynamics.NVE(
+            model,
+            dt=ase_time_to_fs(2 * units.fs),
+            hooks=neighbor_hooks(model, DEFAULT_SKIN),
+        )
+        engine.run(batch, n_steps=steps)
+
+    def ours_nve(trajectory: str | None = None) -> Callable[[], None]:
+        def run() -> None:
+            VelocityVerlet(
+                images(), 2 * units.fs, trajectory=trajectory, loginterval=10
+            ).run(steps)
+
+        return run
+
+    def raw_fire() -> None:
+        batch = atoms_to_batch(images(), device=settings.device, dtype="float32")
+        batch.velocities.zero_()
+        batch.atomic_masses.fill_(1.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore", DeprecationWarning
+            )  # FIRE is deprecated in 0.3
+            engine = dynamics.FIRE(
+                model,
+                dt=0.1,
+                dt_max=1.0,
+                maxstep=0.2,
+                hooks=neighbor_hooks(model, DEFAULT_SKIN),
+            )
+        engine.run(batch, n_steps=steps)
+
+    def ours_fire(trajectory: str | None = None) -> Callable[[], None]:
+        def run() -> None:
+            FIRE(images(), logfile=None, trajectory=trajectory, loginterval=10).run(
+                fmax=1e-9, steps=steps
+            )
+
+        return run
+
+    with tempfile.TemporaryDirectory() as folder:
+        template = str(Path(folder) / "t_{i}.traj")
+        for name, raw, ours in (
+            ("VelocityVerlet / NVE", raw_nve, ours_nve),
+            ("FIRE / FIRE", raw_fire, ours_fire),
+        ):
+            t_raw = median_time(raw, settings.repeats)
+            t_ours = median_time(ours(None), settings.repeats)
+            t_traj = median_time(ours(template), settings.repeats)
+            rows.append(
+                [
+                    name,
+                    f"{1e3 * t_raw / steps:.2f}",
+                    f"{1e3 * t_ours / steps:.2f}",
+                    f"{t_ours / t_raw:.3f}",
+                    f"{t_traj / t_raw:.3f}",
+                ]
+            )
+    report.table(
+        f"1. Layer overhead ({batch_size} × 108-atom LJ argon, float32, {steps} steps)",
+        [
+            "ASE-style / engine",
+            "raw nvalchemi ms/step",
+            "nvalchemi_ase ms/step",
+            "ratio (no observers)",
+            "ratio (trajectory every 10 steps)",
+        ],
+        rows,
+        "Both sides build their batch, engine and neighbour-list hook (skin "
+        f"{DEFAULT_SKIN} Å) inside the timed call; targets ≤ 1.05 and ≤ 1.3.",
+    )
+
+
+# ---------------------------------------------------------------------------
+# 2. batched vs ASE sequential
+# ---------------------------------------------------------------------------
+
+
+def batched_vs_sequential(settings: Settings, report: Report) -> None:
+    from ase import units
+    from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
+
+    from nvalchemi_ase import NVAlchemiCalculator
+    from nvalchemi_ase.md import VelocityVerlet
+
+    calc = NVAlchemiCalculator(
+        "lj", device=settings.device, dtype="float32", switch_width=1.0
+    )
+    steps = max(5, settings.md_steps // 4)
+    rows = []
+    for size in settings.sizes:
+        for count in settings.batch_sizes:
+            structures = [thermalized(argon(size, s), 40.0, s) for s in range(count)]
+
+            def batched() -> None:
+                copies = [a.copy() for a in structures]
+                for atoms in copies:
+                    atoms.calc = calc
+                VelocityVerlet(copies, 2 * units.fs).run(steps)
+
+            def sequential() -> None:
+                for atoms in structures[: min(count, 8)]:
+                    copy = atoms.copy()
+                    copy.calc = calc
+                    AseVelocityVerlet(copy, 2 * units.fs).run(steps)
+
+            t_batched = median_time(batched, settings.repeats)
+            t_sequential = (
+                median_time(sequential, settings.repeats) * count / min(count, 8)
+            )
+            per_batched = t_batched / (count * steps)
+            per_sequential = t_sequential / (count * steps)
+            rows.append(
+                [
+                    str(len(structures[0])),
+                    str(count),
+                    f"{1e3 * per_sequential:.3f}",
+                    f"{1e3 * per_batched:.3f}",
+                    f"{per_sequential / per_batched:.1f}×",
+                ]
+            )
+    report.table(
+        "2a. Batched vs ASE sequential MD (LJ argon, float32)",
+        [
+            "atoms/structure",
+            "structures",
+            "ASE sequential ms/structure-step",
+            "batched ms/structure-step",
+            "speed-up",
+        ],
+        rows,
+        "ASE sequential: `ase.md.VelocityVerlet` + `NVAlchemiCalculator`, one "
+        "structure after another (up to 8 timed, extrapolated); target ≥ 10× at "
+        "32 × 108 atoms.",
+    )
+    _sevennet_vs_calculator(settings, report)
+
+
+def _sevennet_vs_calculator(settings: Settings, report: Report) -> None:
+    if importlib.util.find_spec("sevenn") is None:
+        report.sections.append(
+            "## 2b. SevenNet-0\n\n`sevenn` is not installed: skipped."
+        )
+        return
+    from ase.build import bulk
+    from sevenn.calculator import SevenNetCalculator
+
+    from nvalchemi_ase import NVAlchemiCalculator
+
+    ours = NVAlchemiCalculator("sevennet-0", device=settings.device)
+    theirs = SevenNetCalculator("7net-0", device=settings.device)
+    rows = []
+    for size in settings.sevennet_sizes:
+        count = settings.sevennet_count
+        reps = {8: (1, 1, 1), 16: (2, 1, 1), 32: (2, 2, 1), 64: (2, 2, 2)}[size]
+        structures = []
+        for seed in range(count):
+            atoms = bulk("Si", "diamond", a=5.43, cubic=True).repeat(reps)
+            atoms.rattle(0.03, seed=seed)
+            structures.append(atoms)
+
+        def batched() -> None:
+            ours.calculate_batch(structures, ["energy", "forces", "stress"])
+
+        def sequential() -> None:
+            for atoms in structures[:8]:
+                theirs.calculate(atoms, ["energy", "forces", "stress"])
+
+        t_batched = median_time(batched, settings.repeats)
+        t_sequential = median_time(sequential, settings.repeats) * count / 8
+        rows.append(
+            [
+                str(size),
+                str(count),
+                f"{1e3 * t_sequential / count:.1f}",
+                f"{1e3 * t_batched / count:.1f}",
+                f"{t_sequential / t_batched:.1f}×",
+            ]
+        )
+    report.table(
+        "2b. SevenNet-0: batched single points vs sequential `SevenNetCalculator`",
+        [
+            "atoms/structure",
+            "structures",
+            "SevenNetCalculator ms/structure",
+            "batched ms/structure",
+            "speed-up",
+        ],
+        rows,
+        "Silicon supercells, energy + forces + stress; target ≥ 3× at 32 × 16 atoms.",
+    )
+
+
+# ---------------------------------------------------------------------------
+# 3. calculator overhead
+# ---------------------------------------------------------------------------
+
+
+def calculator_overhead(settings: Settings, report: Report) -> None:
+    import torch
+
+    from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
+    from nvalchemi_ase._quiet import import_quietly
+
+    neighbors = import_quietly("nvalchemi.neighbors")
+    rows = []
+    for dtype in ("float32", "float64"):
+        calc = NVAlchemiCalculator("lj", device=settings.device, dtype=dtype)
+        atoms = argon(108, 0)
+        atoms.calc = calc
+        batch = atoms_to_batch(atoms, device=settings.device, dtype=dtype)
+        model = calc.model
+        config = model.model_config.neighbor_config
+
+        def raw() -> None:
+            neighbors.compute_neighbors(batch, config=config)
+            model(batch)
+            if settings.device != "cpu":
+                torch.cuda.synchronize()
+
+        def ours() -> None:
+            atoms.positions[0, 0] += 1e-9  # invalidate ASE's cache
+            atoms.get_forces()
+
+        t_raw = median_time(raw, settings.repeats * 10, warmup=3)
+        t_ours = median_time(ours, settings.repeats * 10, warmup=3)
+        rows.append(
+            [
+                dtype,
+                f"{1e3 * t_raw:.2f}",
+                f"{1e3 * t_ours:.2f}",
+                f"{t_ours / t_raw:.2f}",
+            ]
+        )
+    report.table(
+        "3. Calculator overhead (one 108-atom LJ argon structure)",
+        ["dtype", "neighbour list + model(batch) ms", "atoms.get_forces() ms", "ratio"],
+        rows,
+        "The raw side reuses a pre-built batch; the calculator converts the Atoms, "
+        "builds the list and returns NumPy arrays. Target ≤ 1.5.",
+    )
+
+
+# ---------------------------------------------------------------------------
+# 4. adapter throughput
+# ---------------------------------------------------------------------------
+
+
+def adapter_throughput(settings: Settings, report: Report) -> None:
+    import torch
+    from ase.build import molecule
+
+    from nvalchemi_ase import atoms_to_batch, batch_to_atoms
+    from nvalchemi_ase._quiet import import_quietly
+
+    data = import_quietly("nvalchemi.data")
+    count = settings.adapter_count
+    structures = [molecule("CH4") for _ in range(count)]
+    for index, atoms in enumerate(structures):
+        atoms.positions += 0.01 * index
+    batch = atoms_to_batch(structures, device=settings.device, dtype="float32")
+
+    def theirs_to() -> Any:
+        return data.Batch.from_data_list(
+            [
+                data.AtomicData.from_atoms(
+                    a, dtype=torch.float32, device=settings.device
+                )
+                for a in structures
+            ]
+        )
+
+    reference_batch = theirs_to()
+    repeats = max(1, settings.repeats // 2)
+    t_ours_to = median_time(
+        lambda: atoms_to_batch(structures, device=settings.device, dtype="float32"),
+        repeats,
+    )
+    t_theirs_to = median_time(theirs_to, repeats)
+    t_ours_back = median_time(lambda: batch_to_atoms(batch), repeats)
+    t_theirs_back = median_time(reference_batch.to_data_list, repeats)
+    report.table(
+        f"4. Adapter throughput ({count} CH4 molecules)",
+        [
+            "direction",
+            "AtomicData.from_atoms / Batch path s",
+            "nvalchemi_ase s",
+            "speed-up",
+        ],
+        [
+            [
+                "Atoms → Batch",
+                f"{t_theirs_to:.3f}",
+                f"{t_ours_to:.3f}",
+                f"{t_theirs_to / t_ours_to:.1f}×",
+            ],
+            [
+                "Batch → Atoms (theirs: to_data_list, no Atoms)",
+                f"{t_theirs_back:.3f}",
+                f"{t_ours_back:.3f}",
+                f"{t_theirs_back / t_ours_back:.1f}×",
+            ],
+        ],
+        "nvalchemi's path is `Batch.from_data_list([AtomicData.from_atoms(a) ...])`; "
+        "back, `Batch.to_data_list()` stops at AtomicData while ours builds full "
+        "ASE Atoms with results. Target ≥ 10× both ways.",
+    )
+
+
+# ---------------------------------------------------------------------------
+# 5. scaling
+# ---------------------------------------------------------------------------
+
+
+def scaling(settings: Settings, report: Report) -> None:
+    from ase import units
+
+    from nvalchemi_ase import NVAlchemiCalculator
+    from nvalchemi_ase.md import VelocityVerlet
+
+    calc = NVAlchemiCalculator(
+        "lj", device=settings.device, dtype="float32", switch_width=1.0
+    )
+    rows, totals, per_step = [], [], []
+    for total in settings.scaling_atoms:
+        count = max(1, round(total / 108))
+        structures = [thermalized(argon(108, s), 40.0, s) for s in range(count)]
+        for atoms in structures:
+            atoms.calc = calc
+        dyn = VelocityVerlet(structures, 2 * units.fs)
+        dyn.run(2)  # warm-up: kernels, neighbour-list buffers
+        steps = max(3, settings.md_steps // 4)
+        elapsed = (
+            median_time(
+                lambda dyn=dyn, steps=steps: dyn.run(steps), settings.repeats, warmup=0
+            )
+            / steps
+        )
+        atoms_total = count * 108
+        totals.append(atoms_total)
+        per_step.append(elapsed)
+        rows.append(
+            [
+                str(atoms_total),
+                str(count),
+                f"{1e3 * elapsed:.2f}",
+                f"{1e6 * elapsed / atoms_total:.3f}",
+            ]
+        )
+    slope = (
+        float(np.polyfit(np.log(totals), np.log(per_step), 1)[0])
+        if len(totals) > 1
+        else float("nan")
+    )
+    report.table(
+        "5. Scaling of an MD step with total atoms (LJ argon, 108-atom structures)",
+        ["atoms", "structures", "ms/step", "µs/atom-step"],
+        rows,
+        f"log-log slope: **{slope:.2f}** (target 1.0 ± 0.15 from 1k to 100k atoms).",
+    )
+
+
+# ---------------------------------------------------------------------------
+
+
+def settings_for(device: str, quick: bool) -> Settings:
+    """Benchmark sizes: quick (CI smoke), full CPU, or GPU."""
+    if quick:
+        return Settings(
+            device,
+            True,
+            repeats=1,
+            md_steps=8,
+            sizes=(108,),
+            batch_sizes=(4,),
+            scaling_atoms=(1000, 2000),
+            adapter_count=500,
+            sevennet_sizes=(16,),
+            sevennet_count=4,
+        )
+    if device.startswith("cuda"):
+        return Settings(
+            device,
+            False,
+            repeats=5,
+            md_steps=100,
+            sizes=(16, 108, 256, 864),
+            batch_sizes=(1, 8, 32, 128, 512),
+            scaling_atoms=(1_000, 10_000, 100_000, 1_000_000),
+            adapter_count=10_000,
+            sevennet_sizes=(16, 32, 64),
+            sevennet_count=128,
+        )
+    return Settings(
+        device,
+        False,
+        repeats=3,
+        md_steps=40,
+        sizes=(16, 108, 256, 864),
+        batch_sizes=(1, 8, 32, 128),
+        scaling_atoms=(1_000, 10_000, 100_000),
+        adapter_count=10_000,
+    )
+
+
+def environment(settings: Settings) -> str:
+    """Machine, versions and date, for the report header."""
+    import torch
+
+    versions = ", ".join(
+        f"{name} {importlib.metadata.version(name)}"
+        for name in (
+            "nvalchemi-ase",
+            "nvalchemi-toolkit",
+            "nvalchemi-toolkit-ops",
+            "ase",
+            "torch",
+            "warp-lang",
+        )
+    )
+    if settings.device.startswith("cuda"):
+        machine = torch.cuda.get_device_name(0)
+    else:
+        machine = (
+            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+        )
+    mode = "quick (smoke test; numbers not meaningful)" if settings.quick else "full"
+    return (
+        f"# Performance\n\nGenerated by `python -m benchmarks` on "
+        f"{datetime.date.today().isoformat()}: {mode} run on **{settings.device}** "
+        f"({machine}, torch threads {torch.get_num_threads()}), Python "
+        f"{platform.python_version()}.\n\nVersions: {versions}.\n\n"
+        "Every figure is a ratio of medians over repeats after warm-up, both sides "
+        "timed in the same process."
+    )
+
+
+BENCHMARKS = {
+    "overhead": layer_overhead,
+    "sequential": batched_vs_sequential,
+    "calculator": calculator_overhead,
+    "adapter": adapter_throughput,
+    "scaling": scaling,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks and write the report."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="CI smoke run, under a minute"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=None)
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="markdown report (default: docs/performance.md; quick: none)",
+    )
+    args = parser.parse_args(argv)
+    settings = settings_for(args.device, args.quick)
+    report = Report()
+    start = time.perf_counter()
+    for name in args.only or BENCHMARKS:
+        BENCHMARKS[name](settings, report)
+    elapsed = time.perf_counter() - start
+    text = (
+        environment(settings)
+        + f" Total run time {elapsed:.0f} s.\n\n"
+        + "\n\n".join(report.sections)
+        + "\n"
+    )
+    output = args.output or (None if args.quick else "docs/performance.md")
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text)
+        print(f"wrote {output}", file=sys.stderr)
+    return 0
