@@ -133,7 +133,9 @@ def test_version_is_a_literal_and_metadata_is_installed():
 def test_calculator_is_registered_with_ases_plugin_system():
     from importlib.metadata import entry_points
 
-    (entry,) = [e for e in entry_points(group="ase.plugins") if e.name == "nvalchemi_ase"]
+    (entry,) = [
+        e for e in entry_points(group="ase.plugins") if e.name == "nvalchemi_ase"
+    ]
     module = entry.load()
     try:
         from ase._4.plugins.plugin_collection import PluginCollection
@@ -155,3 +157,26 @@ assert plugin.__ase_plugins__ == set()
 assert "torch" not in sys.modules
 """
     run_python(code)
+
+
+def test_code_is_ruff_clean():
+    import pytest
+
+    pytest.importorskip("ruff")
+    paths = ["nvalchemi_ase", "tests", "tutorials", "benchmarks"]
+    check = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert check.returncode == 0, check.stdout[-3000:]
+    formatted = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert formatted.returncode == 0, formatted.stdout[-3000:]
