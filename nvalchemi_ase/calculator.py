@@ -24,7 +24,12 @@ from ase.calculators.calculator import (
 )
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.convert import as_atoms_list, atoms_to_batch, batch_results
+from nvalchemi_ase.convert import (
+    as_atoms_list,
+    atoms_to_batch,
+    batch_results,
+    refresh_positions,
+)
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
 from nvalchemi_ase.models import model_native_dtype, resolve_model
 
@@ -125,6 +130,7 @@ class NVAlchemiCalculator(Calculator):
         )
         self._stress_wanted = False
         self._per_atoms_cache: dict[int, tuple[Any, Atoms, dict[str, Any]]] = {}
+        self._reusable: tuple[tuple[Any, ...], Batch] | None = None
 
     # -- ASE protocol ---------------------------------------------------------
 
@@ -295,10 +301,26 @@ class NVAlchemiCalculator(Calculator):
                 f"provides {self.implemented_properties}"
             )
         self._stress_wanted |= "stress" in properties
+        batch = self._batch_for(images)
+        return batch_results(batch, self._run_model(batch, properties))
+
+    def _batch_for(self, images: list[Atoms]) -> Batch:
+        """Build the batch of ``images``, reusing the last one where possible.
+
+        ASE calls a calculator again and again on one ``Atoms`` that moves, so a
+        single structure's batch is kept and only its positions and cell are
+        refreshed while everything else the model reads is unchanged.
+        """
+        key = _model_inputs_key(images[0]) if len(images) == 1 else None
+        if key is not None and self._reusable is not None and self._reusable[0] == key:
+            batch = self._reusable[1]
+            refresh_positions(batch, images)
+            return batch
         batch = atoms_to_batch(
             images, device=self.device, dtype=self.dtype, warn_dropped=False
         )
-        return batch_results(batch, self._run_model(batch, properties))
+        self._reusable = None if key is None else (key, batch)
+        return batch
 
     def _run_model(self, batch: Batch, properties: Sequence[str]) -> dict[str, Any]:
         neighbor_config = self.model.model_config.neighbor_config
@@ -319,3 +341,16 @@ class NVAlchemiCalculator(Calculator):
             for key, value in outputs.items()
             if isinstance(value, torch.Tensor)
         }
+
+
+def _model_inputs_key(atoms: Atoms) -> tuple[Any, ...]:
+    """Everything of ``atoms`` a model reads, except positions and cell vectors."""
+    charges = atoms.arrays.get("initial_charges")
+    return (
+        atoms.arrays["numbers"].tobytes(),
+        atoms.pbc.tobytes(),
+        (atoms.cell.array == 0).all(axis=1).tobytes(),
+        None if charges is None else charges.tobytes(),
+        atoms.info.get("charge"),
+        atoms.info.get("spin"),
+    )

@@ -90,6 +90,7 @@ __all__ = [
     "batch_results",
     "batch_to_atoms",
     "check_images",
+    "refresh_positions",
     "update_atoms",
 ]
 
@@ -238,6 +239,43 @@ def atoms_to_batch(
     if warn_dropped:
         _warn_not_carried(atoms_list)
     return _build_batch(stacked, resolve_device(device), resolve_dtype(dtype))
+
+
+def refresh_positions(batch: Batch, images: Atoms | Sequence[Atoms]) -> None:
+    """Write new positions and cells of the same structures into an existing batch.
+
+    Much cheaper than :func:`atoms_to_batch` when only geometry changed (ASE's
+    usual calculator call); every other field of the batch is kept. Stand-in
+    cell vectors of non-periodic axes are recomputed for the new positions, as
+    :func:`atoms_to_batch` would.
+
+    Parameters
+    ----------
+    batch : nvalchemi.data.Batch
+        Built by :func:`atoms_to_batch` from structures with the same atom
+        counts, elements and periodicity as ``images``.
+    images : ase.Atoms or sequence of ase.Atoms
+        The structures with their new positions (Å) and cells (Å).
+
+    Raises
+    ------
+    StructureError
+        For non-finite positions or cells, or a periodic axis without a lattice
+        vector, before anything is written.
+    """
+    atoms_list = as_atoms_list(images)
+    counts = np.array([len(atoms) for atoms in atoms_list], dtype=np.int64)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    numbers = np.concatenate([atoms.arrays["numbers"] for atoms in atoms_list])
+    positions = np.concatenate([atoms.arrays["positions"] for atoms in atoms_list])
+    cell = np.stack([atoms.cell.array for atoms in atoms_list]).astype(np.float64)
+    pbc = np.stack([atoms.pbc for atoms in atoms_list]).astype(bool)
+    _check_atoms_fields(numbers, positions, ptr)
+    _check_cells(cell, pbc)
+    padded_cell, _ = _padded_cells(cell, pbc, positions, ptr)
+    with torch.no_grad():
+        batch.positions.copy_(torch.from_numpy(positions))
+        batch.cell.copy_(torch.from_numpy(padded_cell))
 
 
 def batch_to_atoms(batch: Batch) -> list[Atoms]:

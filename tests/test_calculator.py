@@ -176,6 +176,37 @@ def test_results_are_cached_and_info_charge_invalidates(lj_calc64):
         handle.remove()
 
 
+@pytest.mark.parametrize("name", ["bulk", "slab", "cluster"])
+def test_reused_batch_gives_what_a_fresh_calculator_gives(name, lj_calc64):
+    """Moving, straining and re-typing one Atoms between calls (the batch of the
+    previous call is refreshed in place) matches a new calculator every time."""
+    atoms = CATALOGUE[name]()
+    atoms.calc = lj_calc64
+    rng = np.random.default_rng(7)
+
+    def check():
+        fresh = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype=torch.float64)
+        reference = atoms.copy()
+        reference.calc = fresh
+        assert atoms.get_potential_energy() == pytest.approx(
+            reference.get_potential_energy(), rel=BATCH_VS_SINGLE_RTOL, abs=1e-12
+        )
+        np.testing.assert_allclose(
+            atoms.get_forces(), reference.get_forces(), rtol=0, atol=1e-12
+        )
+
+    check()
+    atoms.positions += rng.normal(scale=0.3, size=atoms.positions.shape)
+    check()
+    atoms.positions[0] += 4.0  # a molecule's or slab's extent grows
+    check()
+    if atoms.pbc.all():
+        atoms.set_cell(atoms.cell.array * 1.02, scale_atoms=True)
+        check()
+    atoms.numbers[0] = 36  # krypton: the model's inputs changed, a new batch
+    check()
+
+
 def test_stress_of_a_structure_without_full_cell_is_not_implemented(lj_calc64):
     atoms = slab()
     atoms.calc = lj_calc64
