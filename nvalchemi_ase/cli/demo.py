@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (default: nvalchemi-ase-demo)",
     )
     parser.add_argument(
-        "--md-steps", type=positive_int, default=100, help="MD steps (default: 100)"
+        "--md-steps", type=positive_int, default=60, help="MD steps (default: 60)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_model_options(parser)
@@ -147,6 +147,7 @@ def _relax(
 def _run_md(
     args: argparse.Namespace, images: list[Any], folder: Path, name: str
 ) -> None:
+    import numpy as np
     from ase import units
 
     from nvalchemi_ase.cli.common import show_progress
@@ -155,7 +156,14 @@ def _run_md(
 
     # argon boils at 87 K: the LJ fallback runs cold
     temperature_K = 60.0 if name == "lj" else 300.0
-    timestep = (2.0 if name == "lj" else 0.5) * units.fs
+    timestep = (2.0 if name == "lj" else 1.0) * units.fs
+    rng = np.random.default_rng(0)
+    # Maxwell-Boltzmann start without centre-of-mass drift, written out because
+    # ASE 3.29 renamed MaxwellBoltzmannDistribution and 3.27 lacks the new name
+    for atoms in images:
+        sigma = np.sqrt(atoms.get_masses()[:, None] * units.kB * temperature_K)
+        momenta = rng.normal(size=(len(atoms), 3)) * sigma
+        atoms.set_momenta(momenta - momenta.mean(axis=0))
     dyn = Langevin(
         images,
         timestep,

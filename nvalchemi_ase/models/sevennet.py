@@ -37,6 +37,7 @@ import io
 import itertools
 import operator
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -220,8 +221,15 @@ def _build_network() -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _quiet_sevenn() -> Iterator[None]:
-    """Keep sevenn's prints off the caller's stdout."""
-    with contextlib.redirect_stdout(io.StringIO()):
+    """Keep sevenn's prints off stdout and torch's jit notice off stderr.
+
+    sevenn builds its model with ``torch.jit.script``, which torch 2.14 answers
+    with a FutureWarning the user cannot act on.
+    """
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*torch\.jit\.script.*", category=FutureWarning
+        )
         yield
 
 
