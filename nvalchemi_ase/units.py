@@ -50,6 +50,7 @@ __all__ = [
     "pressure_from_stress",
     "stress_3x3_to_voigt",
     "temperature_K_to_nvalchemi",
+    "thermal_energy_nvalchemi",
     "velocities_to_momenta",
     "voigt_to_stress_3x3",
 ]
