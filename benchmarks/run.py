@@ -469,14 +469,15 @@ def adapter_throughput(settings: Settings, report: Report) -> None:
         )
 
     reference_batch = theirs_to()
-    repeats = max(1, settings.repeats // 2)
-    t_ours_to = median_time(
-        lambda: atoms_to_batch(structures, device=settings.device, dtype="float32"),
-        repeats,
+    t_ours_to, t_theirs_to, t_ours_back, t_theirs_back = interleaved_medians(
+        [
+            lambda: atoms_to_batch(structures, device=settings.device, dtype="float32"),
+            theirs_to,
+            lambda: batch_to_atoms(batch),
+            reference_batch.to_data_list,
+        ],
+        settings.repeats,
     )
-    t_theirs_to = median_time(theirs_to, repeats)
-    t_ours_back = median_time(lambda: batch_to_atoms(batch), repeats)
-    t_theirs_back = median_time(reference_batch.to_data_list, repeats)
     report.table(
         f"4. Adapter throughput ({count} CH4 molecules)",
         [

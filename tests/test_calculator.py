@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ase.calculators.calculator import PropertyNotImplementedError
+from ase.calculators.calculator import PropertyNotImplementedError, compare_atoms
 from ase.calculators.fd import calculate_numerical_forces, calculate_numerical_stress
 from ase.calculators.lj import LennardJones
 from ase.neighborlist import neighbor_list
@@ -205,6 +205,30 @@ def test_reused_batch_gives_what_a_fresh_calculator_gives(name, lj_calc64):
         check()
     atoms.numbers[0] = 36  # krypton: the model's inputs changed, a new batch
     check()
+
+
+def test_check_state_agrees_with_ases_compare_atoms(lj_calc64):
+    atoms = rattled_bulk(repeat=2)
+    atoms.calc = lj_calc64
+    atoms.get_potential_energy()
+    edits = {
+        "nothing": lambda a: None,
+        "momenta": lambda a: a.set_momenta(np.ones((len(a), 3))),
+        "position by one ulp": lambda a: a.positions.__setitem__(
+            (0, 0), np.nextafter(a.positions[0, 0], np.inf)
+        ),
+        "position": lambda a: a.positions.__setitem__((0, 0), 1.0),
+        "cell": lambda a: a.set_cell(a.cell.array * 1.01),
+        "pbc": lambda a: a.set_pbc([True, True, False]),
+        "charges": lambda a: a.set_initial_charges(np.ones(len(a))),
+        "numbers": lambda a: a.numbers.__setitem__(0, 36),
+    }
+    for name, edit in edits.items():
+        edited = atoms.copy()
+        edit(edited)
+        assert sorted(lj_calc64.check_state(edited)) == sorted(
+            compare_atoms(lj_calc64.atoms, edited)
+        ), name
 
 
 def test_stress_of_a_structure_without_full_cell_is_not_implemented(lj_calc64):
