@@ -140,7 +140,8 @@ def __getattr__(name: str) -> Any:
 def _import_sevenn(module_name: str) -> Any:
     """Import a ``sevenn`` module silently, or explain which extra is missing."""
     try:
-        return import_quietly(module_name)
+        with _quiet_sevenn():  # sevenn scripts modules at import time
+            return import_quietly(module_name)
     except ImportError as exc:
         raise ImportError(
             f"SevenNet-0 needs the 'sevenn' package ({exc}); install it with "
