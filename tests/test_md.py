@@ -244,3 +244,26 @@ def test_float32_runs(lj_calc32):
     assert dyn.batch.positions.dtype == torch.float32
     dyn.run(10)
     assert np.isfinite(atoms.get_potential_energy())
+
+
+@pytest.mark.gpu
+def test_velocity_verlet_on_cuda_matches_ase_on_cpu():
+    images = [
+        thermalize(rattled_bulk(repeat=3, seed=1), 60.0, seed=1),
+        thermalize(cluster(), 30.0, seed=3),
+        thermalize(slab(), 30.0, seed=4),
+    ]
+    references = [atoms.copy() for atoms in images]
+    on_gpu = NVAlchemiCalculator("lj", device="cuda", dtype="float64")
+    for atoms in images:
+        atoms.calc = on_gpu
+    dyn = VelocityVerlet(images, 2 * units.fs)
+    assert dyn.batch.positions.device.type == "cuda"
+    dyn.run(100)
+    for atoms, reference in zip(images, references, strict=True):
+        reference.calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+        AseVelocityVerlet(reference, 2 * units.fs).run(100)
+        assert np.abs(atoms.positions - reference.positions).max() < VERLET_POSITION_TOL
+        assert atoms.get_potential_energy() == pytest.approx(
+            reference.get_potential_energy(), abs=1e-8
+        )
