@@ -20,8 +20,8 @@ from ase.md.nvtberendsen import NVTBerendsen as AseNVTBerendsen
 
 from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.dynamics.engine import neighbor_hooks
 from nvalchemi_ase.dynamics.logs import internal
+from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.md import Andersen, Bussi, NVTBerendsen
 from nvalchemi_ase.units import ase_time_to_fs
 from nvalchemi_ase.wrap import md_class

@@ -13,7 +13,7 @@ from ase.optimize import MDMin as AseMDMin
 
 from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.dynamics.engine import neighbor_hooks
+from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.optimize import BFGS, MDMin
 from tests.structures import A_AR, cluster, rattled_bulk
 from tests.test_convert import assert_same_snapshot, snapshot

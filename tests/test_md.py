@@ -10,6 +10,7 @@ from ase.constraints import FixAtoms, FixBondLength
 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
 from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.dynamics.neighbors import is_neighbor_hook
 from nvalchemi_ase.md import (
     IsotropicMTKNPT,
     Langevin,
@@ -235,6 +236,21 @@ def test_changes_between_runs_are_picked_up(lj_calc64):
     theirs.run(5)
     assert np.abs(atoms.positions - reference.positions).max() < 1e-9
     assert ours.get_time() == pytest.approx(10 * units.fs)
+
+
+def test_skin_list_is_reused_and_rebuilt_exactly_when_needed(lj_calc64):
+    """Hot argon moves more than half the skin within the run: the list is
+    rebuilt a few times, skipped otherwise, and the path is still ASE's."""
+    atoms = thermalize(rattled_bulk(repeat=2, seed=5), 1500.0, seed=5)
+    reference = atoms.copy()
+    atoms.calc = lj_calc64
+    reference.calc = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype="float64")
+    ours = VelocityVerlet(atoms, 2 * units.fs)
+    (hook,) = [h for h in ours.engine.hooks if is_neighbor_hook(h)]
+    ours.run(100)
+    AseVelocityVerlet(reference, 2 * units.fs).run(100)
+    assert 2 <= hook.builds <= 60
+    assert np.abs(atoms.positions - reference.positions).max() < VERLET_POSITION_TOL
 
 
 def test_float32_runs(lj_calc32):

@@ -29,7 +29,7 @@ from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
 from nvalchemi_ase.devices import DtypeLike
-from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook, neighbor_hooks
+from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
 from nvalchemi_ase.dynamics.images import (
     CellFilterSpec,
     check_constraints,
@@ -37,6 +37,7 @@ from nvalchemi_ase.dynamics.images import (
     resolve_model_setup,
 )
 from nvalchemi_ase.dynamics.logs import internal
+from nvalchemi_ase.dynamics.neighbors import is_neighbor_hook, neighbor_hooks
 from nvalchemi_ase.dynamics.observers import (
     StageObserverHook,
     is_due,
@@ -486,7 +487,7 @@ class BatchedDynamics(AseBaseDynamics):
         fresh = iter(neighbor_hooks(self.model, self.neighbor_skin))
         hooks = self.engine.hooks
         for position, hook in enumerate(hooks):
-            if type(hook).__name__ == "EagerNeighborListHook":
+            if is_neighbor_hook(hook):
                 hooks[position] = next(fresh)
 
     def per_structure_thermo(self) -> dict[str, npt.NDArray[np.float64]]:

@@ -18,48 +18,8 @@ from nvalchemi_ase._quiet import import_quietly
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
     from nvalchemi.dynamics.base import BaseDynamics
-    from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["EngineDriver", "freeze_hook", "neighbor_hooks"]
-
-
-def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
-    """Neighbour-list hooks for ``model`` with a Verlet skin, run eagerly.
-
-    nvalchemi's ``NeighborListHook.__call__`` is wrapped in ``torch.compile``;
-    on the CPU that costs seconds per new batch shape and buys nothing (survey
-    §2.2), so the hook's own, uncompiled function is used.
-
-    Parameters
-    ----------
-    model : BaseModelMixin
-        The model whose ``NeighborConfig`` (cutoff, format, half list) is used.
-    skin : float
-        Verlet skin, Å: the list is built to ``cutoff + skin`` and rebuilt only
-        when an atom moved more than ``skin / 2`` since the last build.
-
-    Returns
-    -------
-    list
-        One ``NeighborListHook`` at ``BEFORE_COMPUTE``, or none when the model
-        needs no neighbour list.
-    """
-    config = model.model_config.neighbor_config
-    if config is None:
-        return []
-    hooks_module = import_quietly("nvalchemi.hooks")
-    stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
-    return [
-        _eager_neighbor_hook_class(hooks_module.NeighborListHook)(
-            config, skin=skin, stage=stages.BEFORE_COMPUTE
-        )
-    ]
-
-
-def _eager_neighbor_hook_class(base: type) -> type:
-    compiled_call = base.__call__
-    eager_call = getattr(compiled_call, "_torchdynamo_orig_callable", compiled_call)
-    return type("EagerNeighborListHook", (base,), {"__call__": eager_call})
+__all__ = ["EngineDriver", "freeze_hook"]
 
 
 def freeze_hook(*, zero_velocities: bool) -> Any:
