@@ -7,6 +7,7 @@ no display needed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ def plot_md(
     path: str | Path,
     *,
     title: str | None = None,
+    labels: Sequence[str] | None = None,
 ) -> Path:
     """Energy, temperature and pressure against time.
 
@@ -37,6 +39,9 @@ def plot_md(
         PNG to write.
     title : str, optional
         Figure title.
+    labels : sequence of str, optional
+        One legend entry per structure (default ``#0``, ``#1``, ...); the
+        legend is drawn for up to ``MAX_LINES`` structures.
 
     Returns
     -------
@@ -49,7 +54,9 @@ def plot_md(
     ]
     if np.isfinite(series.get("pressure_gpa", np.array([np.nan]))).any():
         panels.append(("pressure_gpa", "P [GPa]"))
-    return _draw(series["time_ps"], "time [ps]", series, panels, path, title, log=set())
+    return _draw(
+        series["time_ps"], "time [ps]", series, panels, path, title, set(), labels
+    )
 
 
 def plot_relaxation(
@@ -57,6 +64,7 @@ def plot_relaxation(
     path: str | Path,
     *,
     title: str | None = None,
+    labels: Sequence[str] | None = None,
 ) -> Path:
     """Energy (relative to its final value) and largest force against step.
 
@@ -68,6 +76,9 @@ def plot_relaxation(
         PNG to write.
     title : str, optional
         Figure title.
+    labels : sequence of str, optional
+        One legend entry per structure (default ``#0``, ``#1``, ...); the
+        legend is drawn for up to ``MAX_LINES`` structures.
 
     Returns
     -------
@@ -78,7 +89,9 @@ def plot_relaxation(
     energy = series["epot_per_atom"]
     relative["energy_drop"] = energy - energy[-1]
     panels = [("energy_drop", "E/atom - final [eV]"), ("fmax", "fmax [eV/Å]")]
-    return _draw(series["step"], "step", relative, panels, path, title, log={"fmax"})
+    return _draw(
+        series["step"], "step", relative, panels, path, title, {"fmax"}, labels
+    )
 
 
 def _draw(
@@ -89,6 +102,7 @@ def _draw(
     path: str | Path,
     title: str | None,
     log: set[str],
+    labels: Sequence[str] | None,
 ) -> Path:
     import matplotlib
 
@@ -96,18 +110,26 @@ def _draw(
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(
-        len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False
+        len(panels),
+        1,
+        figsize=(7, 2.4 * len(panels)),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
     )
     for axis, (key, label) in zip(axes[:, 0], panels, strict=True):
-        _lines_or_band(axis, x, np.asarray(series[key], dtype=np.float64))
+        values = np.asarray(series[key], dtype=np.float64)
+        _lines_or_band(axis, x, values.reshape(len(x), -1), labels)
         axis.set_ylabel(label)
         if key in log:
             axis.set_yscale("log")
         axis.grid(alpha=0.3)
     axes[-1, 0].set_xlabel(xlabel)
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    if len(handles) > 1:
+        figure.legend(handles, names, loc="outside right upper", fontsize="small")
     if title:
         figure.suptitle(title)
-    figure.tight_layout()
     output = Path(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
@@ -116,14 +138,17 @@ def _draw(
 
 
 def _lines_or_band(
-    axis: Any, x: npt.NDArray[np.float64], values: npt.NDArray[np.float64]
+    axis: Any,
+    x: npt.NDArray[np.float64],
+    values: npt.NDArray[np.float64],
+    labels: Sequence[str] | None,
 ) -> None:
-    count = values.shape[1] if values.ndim == 2 else 1
+    count = values.shape[1]
     if count <= MAX_LINES:
+        names = list(labels) if labels is not None else []
+        names += [f"#{column}" for column in range(len(names), count)]
         for column in range(count):
-            axis.plot(x, values[:, column], lw=1.2, label=f"#{column}")
-        if 1 < count <= 6:
-            axis.legend(fontsize="x-small", ncol=count)
+            axis.plot(x, values[:, column], lw=1.2, label=names[column])
         return
     axis.fill_between(
         x,
@@ -133,4 +158,3 @@ def _lines_or_band(
         label=f"min-max of {count}",
     )
     axis.plot(x, np.nanmean(values, axis=1), lw=1.5, label="mean")
-    axis.legend(fontsize="x-small")

@@ -81,7 +81,11 @@ class Recorder:
         from nvalchemi_ase import plotting
 
         draw = plotting.plot_md if self.kind == "md" else plotting.plot_relaxation
-        return draw(self.as_arrays(), path, title=title)
+        labels = [
+            f"{index}: {atoms.get_chemical_formula()}"
+            for index, atoms in enumerate(self.dyn.images)
+        ]
+        return draw(self.as_arrays(), path, title=title, labels=labels)
 
     def _append(self, **values: Any) -> None:
         for key, value in values.items():
