@@ -20,20 +20,24 @@ from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase.engines._common import (
+    ParameterValue,
+    check_parameter,
     finite_positive,
     free_atoms,
+    make_state,
     mixed_seed,
     per_graph_sum,
     refuse_by_group,
+    to_per_system,
 )
-from nvalchemi_ase.units import fs_to_ase_time
+from nvalchemi_ase.units import fs_to_ase_time, thermal_energy_nvalchemi
 
 if TYPE_CHECKING:
     from nvalchemi.dynamics.base import ConvergenceHook
     from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["ThermostattedVerlet"]
+__all__ = ["CoupledThermostatVerlet", "ThermostattedVerlet"]
 
 
 class ThermostattedVerlet(BaseDynamics):
@@ -244,3 +248,62 @@ def remove_com_velocity(batch: Batch, free: torch.Tensor) -> None:
     mass = per_graph_sum(masses, batch).clamp_min(torch.finfo(masses.dtype).tiny)
     com_velocity = (momentum / mass)[batch.batch_idx.long()]
     batch.velocities.sub_(torch.where(free, com_velocity, 0.0))
+
+
+class CoupledThermostatVerlet(ThermostattedVerlet):
+    """A :class:`ThermostattedVerlet` coupled to a bath through a time constant τ.
+
+    Holds what Berendsen and Bussi share: a target temperature and a coupling
+    time, each a scalar or one per structure, kept per structure in
+    ``self._state`` as ``kT`` [B] eV and ``taut`` [B] ASE time units.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The potential.
+    dt : float
+        Time step, fs.
+    temperature : float or torch.Tensor, shape [B]
+        Target temperature, K (nvalchemi's ``KB_EV`` convention).
+    taut : float or torch.Tensor, shape [B]
+        Coupling time τ, fs (> 0).
+    **kwargs
+        Passed to :class:`ThermostattedVerlet`.
+    """
+
+    def __init__(
+        self,
+        model: BaseModelMixin,
+        dt: float,
+        temperature: ParameterValue,
+        taut: ParameterValue,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model, dt, **kwargs)
+        self._temperature = check_parameter("temperature", temperature, minimum=0.0)
+        self._taut = check_parameter("taut", taut, minimum=0.0, strict=True)
+
+    def _init_state(self, batch: Batch) -> None:
+        self._state = self._new_state(batch.num_graphs, batch)
+
+    def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
+        return self._new_state(n, template_batch)
+
+    def _new_state(self, count: int, template: Batch) -> Batch:
+        device, dtype = template.device, template.positions.dtype
+        temperature = to_per_system(
+            "temperature", self._temperature, count, device, dtype
+        )
+        taut = to_per_system("taut", self._taut, count, device, dtype)
+        fields = {
+            "kT": thermal_energy_nvalchemi(temperature),
+            "taut": fs_to_ase_time(taut),
+        }
+        fields.update(self._extra_state(count, device, dtype))
+        return make_state(fields, device)
+
+    def _extra_state(
+        self, count: int, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """Further per-structure state fields of a subclass (default: none)."""
+        return {}

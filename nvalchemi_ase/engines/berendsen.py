@@ -21,17 +21,13 @@ from nvalchemi.data import Batch
 
 from nvalchemi_ase.engines._common import (
     ParameterValue,
-    check_parameter,
-    make_state,
     per_graph_sum,
-    to_per_system,
 )
 from nvalchemi_ase.engines._verlet import (
-    ThermostattedVerlet,
+    CoupledThermostatVerlet,
     degrees_of_freedom,
     kinetic_energy,
 )
-from nvalchemi_ase.units import fs_to_ase_time, thermal_energy_nvalchemi
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -42,7 +38,7 @@ __all__ = ["NVTBerendsen"]
 SCALE_LIMITS = (0.9, 1.1)
 
 
-class NVTBerendsen(ThermostattedVerlet):
+class NVTBerendsen(CoupledThermostatVerlet):
     """Batched NVT Berendsen (weak-coupling velocity rescaling).
 
     Parameters
@@ -80,30 +76,8 @@ class NVTBerendsen(ThermostattedVerlet):
         fix_com: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, dt, **kwargs)
-        self._temperature = check_parameter("temperature", temperature, minimum=0.0)
-        self._taut = check_parameter("taut", taut, minimum=0.0, strict=True)
+        super().__init__(model, dt, temperature, taut, **kwargs)
         self.fix_com = bool(fix_com)
-
-    def _init_state(self, batch: Batch) -> None:
-        self._state = self._new_state(batch.num_graphs, batch)
-
-    def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
-        return self._new_state(n, template_batch)
-
-    def _new_state(self, count: int, template: Batch) -> Batch:
-        device, dtype = template.device, template.positions.dtype
-        temperature = to_per_system(
-            "temperature", self._temperature, count, device, dtype
-        )
-        taut = to_per_system("taut", self._taut, count, device, dtype)
-        return make_state(
-            {
-                "kT": thermal_energy_nvalchemi(temperature),
-                "taut": fs_to_ase_time(taut),
-            },
-            device,
-        )
 
     def before_first_kick(self, batch: Batch, free: torch.Tensor) -> None:
         """Scale each structure's velocities towards the target temperature."""

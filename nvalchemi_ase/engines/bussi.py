@@ -27,18 +27,14 @@ from nvalchemi.data import Batch
 from nvalchemi_ase.engines._common import (
     ParameterValue,
     active_graphs,
-    check_parameter,
     keep_inactive,
-    make_state,
     per_graph_sum,
-    to_per_system,
 )
 from nvalchemi_ase.engines._verlet import (
-    ThermostattedVerlet,
+    CoupledThermostatVerlet,
     degrees_of_freedom,
     kinetic_energy,
 )
-from nvalchemi_ase.units import fs_to_ase_time, thermal_energy_nvalchemi
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -46,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["NVTBussi"]
 
 
-class NVTBussi(ThermostattedVerlet):
+class NVTBussi(CoupledThermostatVerlet):
     """Batched Bussi–Donadio–Parrinello stochastic velocity rescaling (NVT).
 
     Parameters
@@ -85,30 +81,14 @@ class NVTBussi(ThermostattedVerlet):
         random_seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, dt, random_seed=random_seed, **kwargs)
-        self._temperature = check_parameter("temperature", temperature, minimum=0.0)
-        self._taut = check_parameter("taut", taut, minimum=0.0, strict=True)
-
-    def _init_state(self, batch: Batch) -> None:
-        self._state = self._new_state(batch.num_graphs, batch)
-
-    def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
-        return self._new_state(n, template_batch)
-
-    def _new_state(self, count: int, template: Batch) -> Batch:
-        device, dtype = template.device, template.positions.dtype
-        temperature = to_per_system(
-            "temperature", self._temperature, count, device, dtype
+        super().__init__(
+            model, dt, temperature, taut, random_seed=random_seed, **kwargs
         )
-        taut = to_per_system("taut", self._taut, count, device, dtype)
-        return make_state(
-            {
-                "kT": thermal_energy_nvalchemi(temperature),
-                "taut": fs_to_ase_time(taut),
-                "transferred_energy": torch.zeros(count, dtype=dtype, device=device),
-            },
-            device,
-        )
+
+    def _extra_state(
+        self, count: int, device: torch.device, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        return {"transferred_energy": torch.zeros(count, dtype=dtype, device=device)}
 
     def before_first_kick(self, batch: Batch, free: torch.Tensor) -> None:
         """Rescale each structure's velocities by its stochastic factor α."""
