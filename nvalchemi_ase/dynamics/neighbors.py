@@ -110,7 +110,7 @@ def _list_still_holds(hook: Any, batch: Batch) -> bool:
         or _neighbor_data(batch) is not hook._written
     ):
         return False
-    cell = _cell_of(batch)
+    cell = getattr(batch, "cell", None)  # compared, not copied: this runs every step
     if (cell is None) != (hook._cell_at_build is None) or (
         cell is not None and not torch.equal(cell, hook._cell_at_build)
     ):
