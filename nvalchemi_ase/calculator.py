@@ -11,8 +11,10 @@ Both go through the same code path: Atoms →
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,6 +55,14 @@ _MODEL_OUTPUT_OF = {
 _INFO_INPUTS = ("charge", "spin")
 
 
+@dataclass
+class _SharedState:
+    """What a calculator and its per-structure views share besides the model."""
+
+    stress_wanted: bool = False
+    reusable: tuple[tuple[Any, ...], Batch] | None = None
+
+
 class NVAlchemiCalculator(Calculator):
     """ASE calculator running an nvalchemi model, one structure or many at once.
 
@@ -87,6 +97,18 @@ class NVAlchemiCalculator(Calculator):
 
     Results are cached as ASE does (``check_state``); a change to
     ``atoms.info["charge"]`` or ``atoms.info["spin"]`` also invalidates them.
+
+    **One calculator, many structures.** An ASE calculator holds the results
+    of one structure (``calc.atoms``, ``calc.results``), and ASE's writers read
+    ``atoms.calc.results`` directly. When this calculator is attached to several
+    ``Atoms`` (``atoms.calc = calc`` for a whole list, as batched dynamics
+    leave them), the first structure it serves keeps it, and every other
+    structure that asks it for results — or gets results stored by a batched
+    run — is given its own view: ``atoms.calc`` becomes an
+    ``NVAlchemiCalculator`` sharing this one's model, device, dtype and
+    buffers, holding that structure's results only. So ``atoms.get_*()``,
+    ``atoms.calc.results``, ``ase.io.write`` (extxyz, traj) and ``ase.db`` give
+    every structure its own numbers.
 
     Examples
     --------
@@ -129,9 +151,8 @@ class NVAlchemiCalculator(Calculator):
             dtype=str(self.dtype).removeprefix("torch."),
             **model_params,
         )
-        self._stress_wanted = False
-        self._per_atoms_cache: dict[int, tuple[Any, Atoms, dict[str, Any]]] = {}
-        self._reusable: tuple[tuple[Any, ...], Batch] | None = None
+        self._shared = _SharedState()
+        self._owner: weakref.ref[Atoms] | None = None
 
     # -- ASE protocol ---------------------------------------------------------
 
@@ -207,19 +228,18 @@ class NVAlchemiCalculator(Calculator):
         results : dict
             ASE results as :func:`~nvalchemi_ase.convert.batch_results` makes them.
         """
-        self.atoms = atoms.copy()
-        self.results = dict(results)
-        self._remember(atoms)
+        target = self._claim(atoms)
+        target.atoms = atoms.copy()
+        target.results = dict(results)
 
     def get_property(
         self, name: str, atoms: Atoms | None = None, allow_calculation: bool = True
     ) -> Any:
-        """ASE's ``get_property``, with one cache entry per structure.
+        """ASE's ``get_property``, answered by the calculator holding ``atoms``.
 
-        ASE's calculators cache the results of the last structure only; this one
-        remembers the latest results of every live ``Atoms`` it served, so one
-        calculator shared by a list of structures (as batched dynamics leave
-        them) answers each without a new model call until that structure changes.
+        If this calculator already holds the results of another live ``Atoms``
+        that it is attached to, ``atoms`` gets its own view (see the class
+        notes) and the view answers, so neither structure's results are lost.
 
         Parameters
         ----------
@@ -237,28 +257,36 @@ class NVAlchemiCalculator(Calculator):
         """
         if atoms is None:
             return super().get_property(name, atoms, allow_calculation)
-        self._recall(atoms)
-        value = super().get_property(name, atoms, allow_calculation)
-        self._remember(atoms)
-        return value
+        target = self._claim(atoms)
+        if target is not self:
+            return target.get_property(name, atoms, allow_calculation)
+        return super().get_property(name, atoms, allow_calculation)
 
-    def reset(self) -> None:
-        """Forget every cached result (ASE's ``reset``, for all structures)."""
-        super().reset()
-        self._per_atoms_cache = {}
+    def _claim(self, atoms: Atoms) -> NVAlchemiCalculator:
+        """Return the calculator holding ``atoms``'s results: this one or a new view.
 
-    def _remember(self, atoms: Atoms) -> None:
-        if self.atoms is None:
-            return
-        cache = self._per_atoms_cache
-        for key in [key for key, entry in cache.items() if entry[0]() is None]:
-            del cache[key]
-        cache[id(atoms)] = (weakref.ref(atoms), self.atoms, self.results)
+        This calculator belongs to the first ``Atoms`` it served for as long as
+        that structure lives and keeps it attached; any other structure gets a
+        view, attached in its place when it had this calculator attached.
+        """
+        owner = None if self._owner is None else self._owner()
+        if owner is None or owner is atoms or owner.calc is not self:
+            self._owner = weakref.ref(atoms)
+            return self
+        view = self._view()
+        view._owner = weakref.ref(atoms)
+        if atoms.calc is self:
+            atoms.calc = view
+        return view
 
-    def _recall(self, atoms: Atoms) -> None:
-        entry = self._per_atoms_cache.get(id(atoms))
-        if entry is not None and entry[0]() is atoms:
-            self.atoms, self.results = entry[1], entry[2]
+    def _view(self) -> NVAlchemiCalculator:
+        """Return a calculator over the same model and buffers, holding no results."""
+        view = copy.copy(self)
+        view.atoms = None
+        view.results = {}
+        view.parameters = copy.deepcopy(self.parameters)
+        view._owner = None
+        return view
 
     # -- batched API ----------------------------------------------------------
 
@@ -304,7 +332,7 @@ class NVAlchemiCalculator(Calculator):
                 f"{unknown} cannot be computed by {type(self.model).__name__}; it "
                 f"provides {self.implemented_properties}"
             )
-        self._stress_wanted |= "stress" in properties
+        self._shared.stress_wanted |= "stress" in properties
         batch = self._batch_for(images)
         return batch_results(batch, self._run_model(batch, properties))
 
@@ -316,14 +344,15 @@ class NVAlchemiCalculator(Calculator):
         refreshed while everything else the model reads is unchanged.
         """
         key = _model_inputs_key(images[0]) if len(images) == 1 else None
-        if key is not None and self._reusable is not None and self._reusable[0] == key:
-            batch = self._reusable[1]
+        reusable = self._shared.reusable
+        if key is not None and reusable is not None and reusable[0] == key:
+            batch = reusable[1]
             refresh_positions(batch, images)
             return batch
         batch = atoms_to_batch(
             images, device=self.device, dtype=self.dtype, warn_dropped=False
         )
-        self._reusable = None if key is None else (key, batch)
+        self._shared.reusable = None if key is None else (key, batch)
         return batch
 
     def _run_model(self, batch: Batch, properties: Sequence[str]) -> dict[str, Any]:
@@ -332,7 +361,7 @@ class NVAlchemiCalculator(Calculator):
             neighbors = import_quietly("nvalchemi.neighbors")
             neighbors.compute_neighbors(batch, config=neighbor_config)
         wanted = {"energy", "forces"} | {_MODEL_OUTPUT_OF[p] for p in properties}
-        if self._stress_wanted:
+        if self._shared.stress_wanted:
             wanted.add("stress")
         wanted &= set(self.model.model_config.outputs)
         with (

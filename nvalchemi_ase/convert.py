@@ -319,6 +319,7 @@ def update_atoms(
     momenta: bool | npt.NDArray[np.bool_] = True,
     stress: bool = True,
     rotation: npt.NDArray[np.float64] | None = None,
+    positions: bool | npt.NDArray[np.bool_] = True,
 ) -> None:
     """Write a batch's state back into existing ``Atoms``, in place.
 
@@ -349,6 +350,10 @@ def update_atoms(
         Orthogonal matrices R with which the batch holds each structure rotated
         (``x_batch = x_ase @ R.T``, e.g. to a lower-triangular cell); positions,
         velocities, cell, forces and stress are rotated back before writing.
+    positions : bool or numpy.ndarray, shape (B,), bool
+        Write positions and cell (False for structures that did not move, so
+        they keep their exact float64 values instead of the batch's rounded
+        copy); an array chooses per structure.
 
     Raises
     ------
@@ -359,16 +364,19 @@ def update_atoms(
     host = _HostCopy(batch, rotation=rotation)
     _check_same_shape(atoms_list, host)
     result_dicts = _results_from_host(host) if results else None
-    write_momenta = np.broadcast_to(np.asarray(momenta, dtype=bool), (len(atoms_list),))
+    count = len(atoms_list)
+    write_momenta = np.broadcast_to(np.asarray(momenta, dtype=bool), (count,))
+    write_positions = np.broadcast_to(np.asarray(positions, dtype=bool), (count,))
     for index, atoms in enumerate(atoms_list):
-        atoms.positions[:] = host.split("positions", index)
+        if write_positions[index]:
+            atoms.positions[:] = host.split("positions", index)
+            padding = host.system("cell_padding", index)
+            cell = atoms.cell.array.copy()
+            new_cell = host.system("cell", index)
+            cell[~padding] = new_cell[~padding]
+            atoms.set_cell(cell)
         if write_momenta[index]:
             _write_momenta(atoms, host, index)
-        padding = host.system("cell_padding", index)
-        cell = atoms.cell.array.copy()
-        new_cell = host.system("cell", index)
-        cell[~padding] = new_cell[~padding]
-        atoms.set_cell(cell)
         if result_dicts is not None and result_dicts[index]:
             entry = result_dicts[index]
             if not stress:

@@ -250,17 +250,24 @@ def test_nvalchemi_hooks_attach_and_run_natively(tmp_path, lj_calc64):
     assert (tmp_path / "log.csv").read_text().count("\n") >= 8
 
 
-def test_nan_in_one_structure_is_caught_and_named(lj_calc64):
+@pytest.mark.parametrize("on_failure", ["isolate", "raise"])
+def test_nan_in_one_structure_is_caught_and_named(lj_calc64, on_failure):
     from nvalchemi.dynamics.hooks import NaNDetectorHook
+
+    from nvalchemi_ase.dynamics.failures import (
+        DynamicsFailureError,
+        StructureFailedWarning,
+    )
 
     images = [
         thermalize(rattled_bulk(repeat=2, seed=s), 50.0, seed=s) for s in (1, 2, 3)
     ]
     for atoms in images:
         atoms.calc = lj_calc64
-    dyn = VelocityVerlet(images, units.fs)
+    dyn = VelocityVerlet(images, units.fs, on_failure=on_failure)
     dyn.attach(NaNDetectorHook())
     good_before = images[0].positions.copy()
+    broken_before = images[1].positions.copy()
 
     def poison():
         first_atom_of_structure_1 = int(dyn.batch.batch_ptr[1])
@@ -279,15 +286,24 @@ def test_nan_in_one_structure_is_caught_and_named(lj_calc64):
                 poison()
 
     dyn.attach(Poison())
-    with pytest.raises(RuntimeError) as error:
-        dyn.run(5)
-    message = str(error.value)
-    assert message.startswith("VelocityVerlet, step 3: Non-finite values")
-    assert "forces: 96 non-finite element(s) in graph(s) [1]" in message
-    assert "images[i]" in message
+    expected = "images[1] failed at step 3: positions became non-finite"
+    if on_failure == "raise":
+        with pytest.raises(DynamicsFailureError) as error:
+            dyn.run(5)
+        assert str(error.value).startswith(expected)
+        assert dyn.nsteps == 3
+    else:
+        with pytest.warns(StructureFailedWarning, match=r"images\[1\] failed"):
+            dyn.run(5)
+        assert [str(f) for f in dyn.failures] == [
+            f"{expected}; it keeps its state of step 2"
+        ]
+        assert dyn.nsteps == 5
+    # the guard ran before the user's NaN detector: nothing non-finite reached it;
     # structures that stayed finite keep their progress, the broken one its last state
     assert not np.array_equal(images[0].positions, good_before)
     assert np.isfinite(images[1].positions).all()
+    assert not np.array_equal(images[1].positions, broken_before)
 
 
 def test_todict_and_context_manager(tmp_path, lj_calc64):

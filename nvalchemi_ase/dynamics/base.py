@@ -30,6 +30,15 @@ from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
 from nvalchemi_ase.devices import DtypeLike
 from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
+from nvalchemi_ase.dynamics.failures import (
+    DynamicsFailureError,
+    FailureGuard,
+    FailureLimits,
+    OnFailure,
+    StructureFailure,
+    resolve_on_failure,
+    warn_failures,
+)
 from nvalchemi_ase.dynamics.images import (
     CellFilterSpec,
     check_constraints,
@@ -94,6 +103,16 @@ class BatchedDynamics(AseBaseDynamics):
     progress : bool or None
         Draw a progress bar on standard error (steps, rate, structures
         converged); None draws one only when standard error is a terminal.
+    on_failure : {"isolate", "raise"}
+        ``"isolate"`` (default): a structure whose state becomes non-finite or
+        crosses ``failure_limits`` stops, keeps its last finite state (in its
+        ``Atoms`` and trajectory) and is listed in :attr:`failures`, while the
+        others go on; ``"raise"``: raise
+        :class:`~nvalchemi_ase.dynamics.failures.DynamicsFailureError` instead.
+    failure_limits : FailureLimits, optional
+        Largest force (eV/Å), largest displacement per step (Å) and largest
+        volume factor before a structure counts as exploded (defaults in
+        :class:`~nvalchemi_ase.dynamics.failures.FailureLimits`).
     """
 
     #: Whether structures may be given as cell filters (optimizers only).
@@ -114,7 +133,15 @@ class BatchedDynamics(AseBaseDynamics):
         dtype: DtypeLike = None,
         neighbor_skin: float | None = None,
         progress: bool | None = False,
+        on_failure: OnFailure = "isolate",
+        failure_limits: FailureLimits | None = None,
     ) -> None:
+        self.on_failure: OnFailure = resolve_on_failure(on_failure)
+        if failure_limits is not None and not isinstance(failure_limits, FailureLimits):
+            raise TypeError(
+                "failure_limits must be a nvalchemi_ase.dynamics.failures."
+                f"FailureLimits, got {type(failure_limits).__name__}"
+            )
         atoms_list, cell_filter, single = resolve_images(
             images, allow_cell_filters=self._accepts_cell_filters
         )
@@ -133,16 +160,26 @@ class BatchedDynamics(AseBaseDynamics):
         self.progress = progress_enabled(progress)
         self._bar: ProgressBar | None = None
         self.batch: Batch = self._initial_batch()
+        self._hook_nsteps = 0
+        self._guard = FailureGuard(
+            self.batch,
+            failure_limits or FailureLimits(),
+            ase_step=lambda: self._hook_nsteps,
+        )
+        self._failures: list[StructureFailure] = []
+        self._frame_steps = np.full(len(atoms_list), -1)
+        self._positions_at_write = self.batch.positions.detach().clone()
+        self._cell_at_write = self.batch.cell.detach().clone()
         skin = self._default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
         self.engine: EngineType = self._build_engine(self._builtin_hooks(skin))
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
-        self._hook_nsteps = 0
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
         self._written = self._snapshot_atoms()
+        self._constraints_written = _constraint_state(self.images)
         self.trajectories = TrajectorySet(
             trajectory,
             len(atoms_list),
@@ -198,6 +235,18 @@ class BatchedDynamics(AseBaseDynamics):
     def model(self) -> BaseModelMixin:
         """The nvalchemi model every structure is evaluated with."""
         return self.setup.model
+
+    @property
+    def failures(self) -> list[StructureFailure]:
+        """Every structure that failed so far: index, ASE step and reason (a copy)."""
+        self._absorb_failures(raise_now=False)
+        return list(self._failures)
+
+    @property
+    def failed_mask(self) -> npt.NDArray[np.bool_]:
+        """Which structures failed and stopped, shape (B,) (a copy)."""
+        self._absorb_failures(raise_now=False)
+        return self._guard.known_mask
 
     def attach(
         self, function: Any, interval: int = 1, *args: Any, **kwargs: Any
@@ -282,18 +331,117 @@ class BatchedDynamics(AseBaseDynamics):
         hook.observers.append((function, interval, args, kwargs))
 
     def sync_atoms(self) -> None:
-        """Copy the batch's current state and results into the user's ``Atoms``."""
-        self._attach_calculators()
-        update_atoms(
-            self.images,
-            self.batch,
-            results=True,
-            momenta=self._momenta_mask(),
-            stress=self._stress_step == self.nsteps,
-            rotation=self._writeback_rotation(),
-        )
-        self._written = self._snapshot_atoms()
+        """Copy the batch's current state and results into the user's ``Atoms``.
+
+        Positions and cells are written only for structures that moved since
+        the last write, so a structure that did not move keeps its exact
+        float64 input. Failures recorded on the device are read back here.
+        """
+        self._absorb_failures(raise_now=False)
+        self._write_back(np.ones(len(self.images), dtype=bool))
         self._synced_nsteps = self.nsteps
+        self._absorb_failures()
+
+    def _write_back(self, selected: npt.NDArray[np.bool_]) -> None:
+        """Write the batch into the ``Atoms`` of the ``selected`` structures."""
+        keep = np.flatnonzero(selected)
+        if not keep.size:
+            return
+        self._attach_calculators()
+        moved = self._moved_since_write()
+        rotation = self._writeback_rotation()
+        every = keep.size == len(self.images)
+        batch = (
+            self.batch
+            if every
+            else self.batch.index_select(
+                torch.as_tensor(keep, device=self.batch.device)
+            )
+        )
+        update_atoms(
+            self.images if every else [self.images[i] for i in keep],
+            batch,
+            results=True,
+            momenta=np.broadcast_to(self._momenta_mask(), selected.shape)[keep],
+            stress=self._stress_step == self.nsteps,
+            rotation=None if rotation is None else rotation[keep],
+            positions=moved[keep],
+        )
+        with torch.no_grad():
+            self._positions_at_write.copy_(self.batch.positions)
+            self._cell_at_write.copy_(self.batch.cell)
+        self._written = self._snapshot_atoms()
+
+    def _moved_since_write(self) -> npt.NDArray[np.bool_]:
+        """Which structures' positions or cell changed since the last write, (B,)."""
+        batch = self.batch
+        with torch.no_grad():
+            atom_moved = (batch.positions != self._positions_at_write).any(dim=1)
+            moved = torch.zeros(batch.num_graphs, dtype=torch.long, device=batch.device)
+            moved.index_add_(0, batch.batch_idx.long(), atom_moved.long())
+            cell_moved = (
+                (batch.cell != self._cell_at_write)
+                .reshape(batch.num_graphs, -1)
+                .any(dim=1)
+            )
+            return ((moved > 0) | cell_moved).cpu().numpy()
+
+    # ------------------------------------------------------------------
+    # Failure isolation
+    # ------------------------------------------------------------------
+
+    def _absorb_failures(
+        self,
+        failed_host: npt.NDArray[np.bool_] | None = None,
+        *,
+        raise_now: bool = True,
+    ) -> None:
+        """Take in failures the device recorded: freeze, report, warn or raise."""
+        fresh = self._guard.new_failures(failed_host)
+        if fresh:
+            self._failures = sorted(
+                [*self._failures, *fresh], key=lambda failure: failure.index
+            )
+            self._freeze_failed()
+            self._write_last_good_frames(fresh)
+            if self.on_failure == "isolate":
+                warn_failures(fresh, type(self).__name__)
+        if raise_now and self.on_failure == "raise" and self._failures:
+            raise DynamicsFailureError(self._failures)
+
+    def _freeze_failed(self) -> None:
+        """Stop failed structures with nvalchemi's ``status`` column."""
+        frozen = self._failed_status()
+        failed = self._guard.failed.view(-1, 1)
+        with torch.no_grad():
+            if "status" not in self.batch:
+                self.batch["status"] = torch.zeros(
+                    self.batch.num_graphs, 1, dtype=torch.long, device=self.batch.device
+                )
+            status = self.batch["status"]
+            status.copy_(torch.where(failed, torch.full_like(status, frozen), status))
+
+    def _failed_status(self) -> int:
+        """Return the ``status`` value at which the engine leaves a structure alone."""
+        return int(getattr(self.engine, "exit_status", 1))
+
+    def _write_last_good_frames(self, fresh: list[StructureFailure]) -> None:
+        """Give each newly failed structure's trajectory its last finite state."""
+        if not self.trajectories:
+            return
+        mask = np.zeros(len(self.images), dtype=bool)
+        for failure in fresh:
+            last_good = max(failure.step - 1, 0)
+            mask[failure.index] = self._frame_steps[failure.index] != last_good
+        if not mask.any():
+            return
+        if self._synced_nsteps != self.nsteps:
+            self._write_back(np.ones(len(self.images), dtype=bool))
+            self._synced_nsteps = self.nsteps
+        self.trajectories.write(self.images, mask)
+        for failure in fresh:
+            if mask[failure.index]:
+                self._frame_steps[failure.index] = max(failure.step - 1, 0)
 
     def close(self) -> None:
         """Close trajectory and log files this object opened (as ASE's ``close``)."""
@@ -320,9 +468,11 @@ class BatchedDynamics(AseBaseDynamics):
                 self._bar.close()
                 self._bar = None
             self._driver.close()
-            self._finish_run(ok)
-            # files are complete after every run, and reopened to append
-            self.trajectories.close()
+            try:
+                self._finish_run(ok)
+            finally:
+                # files are complete after every run, and reopened to append
+                self.trajectories.close()
 
     def _prime(self) -> None:
         """Evaluate the initial state once (ASE's first ``get_forces``)."""
@@ -330,9 +480,12 @@ class BatchedDynamics(AseBaseDynamics):
             return
         self._hook_nsteps = self.nsteps
         self.engine.check_initial_batch(self.batch)
+        self._guard.forget_snapshot()
         with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
             self._driver.prime()
         self._primed = True
+        if self._reads_are_free:
+            self._absorb_failures()
 
     def _advance(self) -> None:
         """One engine step; ``nsteps`` counts it."""
@@ -347,8 +500,15 @@ class BatchedDynamics(AseBaseDynamics):
                 "latest state, the others their last written one)"
             ) from error
         self.nsteps += 1
+        if self._reads_are_free:
+            self._absorb_failures()
         if self._bar is not None:
             self._bar.step(self._progress_note())
+
+    @property
+    def _reads_are_free(self) -> bool:
+        """Whether reading a flag back costs no synchronisation (CPU runs)."""
+        return self.batch.device.type == "cpu"
 
     def _outputs_at(self, nsteps: int) -> set[str]:
         """Model outputs for the evaluation that produces step ``nsteps``.
@@ -382,30 +542,18 @@ class BatchedDynamics(AseBaseDynamics):
     def _finish_run(self, ok: bool) -> None:
         """Leave every ``Atoms`` holding the latest state.
 
-        After an error (e.g. a NaN caught by a hook) only structures whose
-        positions are still finite are written; the others keep their last
-        good state.
+        After an error (e.g. a NaN caught by a user's hook) only structures
+        whose positions are still finite are written; the others keep their
+        last good state. Structures that did not move keep their exact input.
         """
+        if ok:
+            if self._synced_nsteps != self.nsteps:
+                self.sync_atoms()
+            self._absorb_failures()
+            return
         if self._synced_nsteps == self.nsteps:
             return
-        finite = self._finite_structures()
-        if ok or finite.all():
-            self.sync_atoms()
-            return
-        keep = np.flatnonzero(finite)
-        rotation = self._writeback_rotation()
-        if keep.size:
-            self._attach_calculators()
-            update_atoms(
-                [self.images[i] for i in keep],
-                self.batch.index_select(
-                    torch.as_tensor(keep, device=self.batch.device)
-                ),
-                results=True,
-                momenta=np.broadcast_to(self._momenta_mask(), finite.shape)[keep],
-                stress=self._stress_step == self.nsteps,
-                rotation=None if rotation is None else rotation[keep],
-            )
+        self._write_back(self._finite_structures())
 
     def _finite_structures(self) -> npt.NDArray[np.bool_]:
         bad_atoms = ~torch.isfinite(self.batch.positions.detach()).all(dim=1)
@@ -431,7 +579,8 @@ class BatchedDynamics(AseBaseDynamics):
         return batch
 
     def _builtin_hooks(self, skin: float) -> list[Any]:
-        hooks = neighbor_hooks(self.model, skin)
+        stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+        hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
         if bool((self.batch.atom_categories == FROZEN_CATEGORY).any()):
             hooks.append(freeze_hook(zero_velocities=self._velocities_are_momenta))
         return hooks
@@ -461,6 +610,8 @@ class BatchedDynamics(AseBaseDynamics):
             )
             if _differs(atoms, old, momenta=self._velocities_are_momenta)
         ]
+        if _constraint_state(self.images) != self._constraints_written:
+            self._adopt_new_constraints()
         if not changed:
             return
         for index in changed:
@@ -481,6 +632,25 @@ class BatchedDynamics(AseBaseDynamics):
         self._refresh_neighbor_hooks()
         self._primed = False
         self._written = self._snapshot_atoms()
+        with torch.no_grad():
+            self._positions_at_write.copy_(self.batch.positions)
+            self._cell_at_write.copy_(self.batch.cell)
+        self._guard.reset_volumes(self.batch)
+
+    def _adopt_new_constraints(self) -> None:
+        """Honour constraints the caller changed since the last run."""
+        check_constraints(self.images)
+        fresh = self._initial_batch()
+        with torch.no_grad():
+            self.batch.atom_categories.copy_(fresh.atom_categories)
+        frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
+        has_hook = any(_is_freeze_hook(hook) for hook in self.engine.hooks)
+        if frozen and not has_hook:
+            self.engine.register_hook(
+                freeze_hook(zero_velocities=self._velocities_are_momenta)
+            )
+        self._constraints_written = _constraint_state(self.images)
+        self._primed = False
 
     def _refresh_neighbor_hooks(self) -> None:
         """Replace the neighbour-list hooks so the next evaluation rebuilds the list."""
@@ -522,11 +692,22 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _write_trajectories(self, description: dict[str, Any] | None = None) -> None:
         self._sync_if(True)
-        self.trajectories.write(self.images, self._writing_mask())
+        mask = self._writing_mask() & ~self._guard.known_mask
+        self.trajectories.write(self.images, mask)
+        self._frame_steps[mask] = self.nsteps
 
     def _writing_mask(self) -> npt.NDArray[np.bool_]:
         """Structures whose frames are written at this step (all, for MD)."""
         return np.ones(len(self.images), dtype=bool)
+
+
+def _constraint_state(images: list[Atoms]) -> list[list[Any]]:
+    """Describe every structure's constraints comparably."""
+    return [[repr(c.todict()) for c in atoms.constraints] for atoms in images]
+
+
+def _is_freeze_hook(hook: Any) -> bool:
+    return type(hook).__name__ == "FreezeAtomsHook"
 
 
 def _differs(atoms: Atoms, old: tuple[npt.NDArray[Any], ...], *, momenta: bool) -> bool:

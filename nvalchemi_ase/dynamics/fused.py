@@ -191,6 +191,9 @@ class RelaxThenMD(BatchedDynamics):
     def _momenta_mask(self) -> npt.NDArray[np.bool_]:
         return self.stage >= RUNNING_MD
 
+    def _failed_status(self) -> int:
+        return FINISHED
+
     def _all_finished(self) -> bool:
         return bool((self.batch["status"] >= FINISHED).all())
 

@@ -269,43 +269,56 @@ class BatchedOptimizer(BatchedDynamics):
                     self._sync_if(sync_every_step or self._observers_due(0))
                     self.call_observers()
             self._sync_if(sync_every_step)
-            yield done
+            yield self.converged()
             while not done and self.nsteps < self.max_steps:
-                self._moving = ~self._converged_host
+                self._moving = ~self._converged_host & ~self._guard.known_mask
                 self._advance()
                 done = self._update_convergence()
                 self.log()
                 self._sync_if(sync_every_step or self._observers_due(self.nsteps))
                 self.call_observers()
-                yield done
+                yield self.converged()
 
     def _update_convergence(self) -> bool:
-        """Freeze structures below ``fmax``; one small device-to-host transfer."""
+        """Freeze structures below ``fmax``; one small device-to-host transfer.
+
+        Returns whether every structure is done: converged or failed.
+        """
         fmax = self._fmax_per_structure()
-        self._converged |= fmax < self._threshold()
-        self.batch["status"][:, 0] = self._converged.long()
+        failed = self._guard.failed
+        self._converged |= (fmax < self._threshold()) & ~failed
+        self.batch["status"][:, 0] = (self._converged | failed).long()
         energy = self.batch.energy.detach().reshape(-1).to(torch.float64)
         host = (
             torch.stack(
-                [fmax.to(torch.float64), energy, self._converged.to(torch.float64)]
+                [
+                    fmax.to(torch.float64),
+                    energy,
+                    self._converged.to(torch.float64),
+                    failed.to(torch.float64),
+                ]
             )
             .cpu()
             .numpy()
         )
         self._fmax_host, self._energy_host = host[0], host[1]
         self._converged_host = host[2] > 0.5
+        failed_host = host[3] > 0.5
         newly = self._converged_host & (self._converged_at < 0)
         self._converged_at[newly] = self.nsteps
+        self._absorb_failures(failed_host)
         if self._bar is not None:
+            failures = int(failed_host.sum())
             self._bar.note(
-                f"converged {int(self._converged_host.sum())}/{len(self.images)}, "
-                f"fmax {self._largest_running_fmax():.3g} eV/Å"
+                f"converged {int(self._converged_host.sum())}/{len(self.images)}"
+                + (f", failed {failures}" if failures else "")
+                + f", fmax {self._largest_running_fmax():.3g} eV/Å"
             )
-        return bool(self._converged_host.all())
+        return bool((self._converged_host | failed_host).all())
 
     def _largest_running_fmax(self) -> float:
         """Largest fmax among structures still running (all, once every one is done)."""
-        running = ~self._converged_host
+        running = ~self._converged_host & ~self._guard.known_mask
         chosen = self._fmax_host[running] if running.any() else self._fmax_host
         return float(chosen.max())
 

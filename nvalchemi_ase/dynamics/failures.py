@@ -1,0 +1,432 @@
+"""Failure isolation: one structure that blows up costs that structure only.
+
+A batched engine evolves B structures at once; without a guard, one structure
+whose forces turn NaN (or that flies apart) silently poisons its own state, and a
+hook that raises on it (nvalchemi's ``NaNDetectorHook``) stops all B. Here every
+dynamics object carries a :class:`FailureGuard`, three small nvalchemi hooks
+that work on the device with tensor operations only:
+
+* ``BEFORE_STEP``: snapshot positions, velocities, cell, energy, forces and
+  stress of every structure (the last state known to be good);
+* ``AFTER_COMPUTE`` and ``AFTER_STEP``: flag each structure whose state crossed
+  one of the :class:`FailureLimits` (always: non-finite positions, velocities,
+  cell, energy or forces), remember the ASE step and the reason, and put every
+  flagged structure back to its snapshot.
+
+A flagged structure therefore keeps its last finite state while the others go
+on. Flags are read back to the host only where the dynamics object reads the
+batch anyway (optimizers every step, for convergence; MD at observer and log
+steps and at the end of a run; every step on a CPU, where a read costs
+nothing); from then on the structure is frozen with nvalchemi's own ``status``
+mechanism, reported in ``dyn.failures`` and warned about once
+(:class:`StructureFailedWarning`). With ``on_failure="raise"`` the first
+failure read back raises :class:`DynamicsFailureError` instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+
+__all__ = [
+    "FAILURE_REASONS",
+    "DynamicsFailureError",
+    "FailureGuard",
+    "FailureLimits",
+    "OnFailure",
+    "StructureFailedWarning",
+    "StructureFailure",
+    "resolve_on_failure",
+]
+
+#: What to do when a structure fails: keep going without it, or raise.
+OnFailure = Literal["isolate", "raise"]
+
+#: Reason codes stored on the device, and their text.
+FAILURE_REASONS: dict[int, str] = {
+    1: "positions became non-finite",
+    2: "velocities became non-finite",
+    3: "the cell became non-finite",
+    4: "the energy became non-finite",
+    5: "forces became non-finite",
+    6: "the largest force exceeded max_force",
+    7: "an atom moved more than max_displacement in one step",
+    8: "the cell volume changed by more than max_volume_factor",
+}
+
+# Fields restored from the snapshot (the state the next step depends on).
+_ATOM_FIELDS = ("positions", "velocities", "forces")
+_SYSTEM_FIELDS = ("cell", "energy", "stress")
+
+
+@dataclass(frozen=True)
+class FailureLimits:
+    """Documented limits past which a structure counts as exploded.
+
+    Non-finite positions, velocities, cell, energy or forces always count.
+
+    Attributes
+    ----------
+    max_force : float
+        Largest atomic force norm, eV/Å (default 1e4). At 1e4 eV/Å a hydrogen
+        atom moves about 50 Å in one 1 fs step: no optimizer or integrator can
+        follow such a structure.
+    max_displacement : float
+        Largest distance one atom may move in one step, Å (default 2.0). MD
+        steps move atoms by ~0.01-0.1 Å and ASE's optimizers cap steps at
+        0.2 Å; 2 Å per step means the trajectory has stopped being physical.
+    max_volume_factor : float
+        Largest factor by which the cell volume may grow or shrink over a run
+        relative to its start (default 4.0; variable-cell runs only can reach it).
+    """
+
+    max_force: float = 1e4
+    max_displacement: float = 2.0
+    max_volume_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_force", "max_displacement", "max_volume_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"FailureLimits.{name} must be a number, got {value!r}")
+            if not value > 0:
+                raise ValueError(f"FailureLimits.{name} must be positive, got {value}")
+        if not self.max_volume_factor > 1:
+            raise ValueError(
+                "FailureLimits.max_volume_factor must be > 1, got "
+                f"{self.max_volume_factor}"
+            )
+
+
+@dataclass(frozen=True)
+class StructureFailure:
+    """One structure that failed.
+
+    Attributes
+    ----------
+    index : int
+        Position of the structure in the dynamics object's ``images``.
+    step : int
+        ASE step (``nsteps``) whose result was rejected; the structure holds
+        the state of step ``step - 1`` (0: the initial evaluation was rejected
+        and the structure never moved).
+    reason : str
+        What was wrong (see :data:`FAILURE_REASONS`).
+    """
+
+    index: int
+    step: int
+    reason: str
+
+    def __str__(self) -> str:
+        kept = (
+            "its input state"
+            if self.step == 0
+            else f"its state of step {self.step - 1}"
+        )
+        return (
+            f"images[{self.index}] failed at step {self.step}: {self.reason}; "
+            f"it keeps {kept}"
+        )
+
+
+class StructureFailedWarning(UserWarning):
+    """A structure of a batched run failed and stopped; the others go on."""
+
+
+class DynamicsFailureError(RuntimeError):
+    """Raised with ``on_failure="raise"`` when a structure fails.
+
+    Attributes
+    ----------
+    failures : list of StructureFailure
+        Every failure known when it was raised.
+    """
+
+    def __init__(self, failures: list[StructureFailure]) -> None:
+        self.failures = list(failures)
+        text = "; ".join(str(failure) for failure in self.failures)
+        super().__init__(
+            f"{text} (on_failure='raise'; pass on_failure='isolate' to let the other "
+            "structures go on)"
+        )
+
+
+def resolve_on_failure(value: Any) -> OnFailure:
+    """Validate the ``on_failure`` argument.
+
+    Parameters
+    ----------
+    value : str
+        ``"isolate"`` or ``"raise"``.
+
+    Returns
+    -------
+    str
+        The same value.
+
+    Raises
+    ------
+    ValueError
+        For anything else.
+    """
+    if value not in ("isolate", "raise"):
+        raise ValueError(
+            f"on_failure must be 'isolate' (a failed structure stops, the others go "
+            f"on) or 'raise', got {value!r}"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+class _GuardHook:
+    """An nvalchemi hook calling one method of the guard at one stage."""
+
+    frequency = 1
+
+    def __init__(self, stage: Any, action: Callable[[Batch], None]) -> None:
+        self.stage = stage
+        self._action = action
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        self._action(ctx.batch)
+
+
+class FailureGuard:
+    """Per-structure failure flags and the hooks that keep them, on the device.
+
+    Parameters
+    ----------
+    batch : nvalchemi.data.Batch
+        The batch of the run (B graphs), with its initial state.
+    limits : FailureLimits
+        When a structure counts as exploded.
+    ase_step : callable
+        Returns the ASE step the engine is currently computing.
+    """
+
+    def __init__(
+        self,
+        batch: Batch,
+        limits: FailureLimits,
+        ase_step: Callable[[], int],
+    ) -> None:
+        count = batch.num_graphs
+        device = batch.device
+        self.limits = limits
+        self._ase_step = ase_step
+        self.failed = torch.zeros(count, dtype=torch.bool, device=device)
+        self.step = torch.full((count,), -1, dtype=torch.long, device=device)
+        self.code = torch.zeros(count, dtype=torch.long, device=device)
+        self._volume0 = _volumes(batch)
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._known = np.zeros(count, dtype=bool)
+
+    # -- hooks ------------------------------------------------------------------
+
+    def hooks(self, stages: Any) -> list[_GuardHook]:
+        """Return the three hooks for ``DynamicsStage`` ``stages`` (register first)."""
+        return [
+            _GuardHook(stages.BEFORE_STEP, self.take_snapshot),
+            _GuardHook(stages.AFTER_COMPUTE, self.check),
+            _GuardHook(stages.AFTER_STEP, self.check),
+        ]
+
+    def take_snapshot(self, batch: Batch) -> None:
+        """Remember the state every structure has before the step."""
+        with torch.no_grad():
+            self._snapshot = {
+                key: value.detach().clone()
+                for key in (*_ATOM_FIELDS, *_SYSTEM_FIELDS)
+                if (value := _field(batch, key)) is not None
+            }
+
+    def check(self, batch: Batch) -> None:
+        """Flag structures past the limits; put every flagged one back."""
+        with torch.no_grad():
+            code = self._reason_codes(batch)
+            self._record(code)
+            self._restore(batch)
+
+    def forget_snapshot(self) -> None:
+        """Drop the snapshot before a (re-)evaluation that follows no step.
+
+        The evaluation that primes a run is checked like any other, but a
+        structure it rejects has nothing to go back to: it keeps the state it
+        was given and never moves.
+        """
+        self._snapshot = {}
+
+    def reset_volumes(self, batch: Batch) -> None:
+        """Take the batch's current cells as the reference for the volume limit."""
+        self._volume0 = _volumes(batch)
+
+    # -- host side ----------------------------------------------------------------
+
+    def new_failures(
+        self, failed_host: npt.NDArray[np.bool_] | None = None
+    ) -> list[StructureFailure]:
+        """Failures not reported before (reads the flags back to the host).
+
+        Parameters
+        ----------
+        failed_host : numpy.ndarray, optional
+            The failed flags if the caller has already read them (saves a
+            transfer when nothing new failed).
+
+        Returns
+        -------
+        list of StructureFailure
+            Newly known failures, by index.
+        """
+        failed = self.failed.cpu().numpy() if failed_host is None else failed_host
+        fresh = np.flatnonzero(failed & ~self._known)
+        if not fresh.size:
+            return []
+        steps = self.step.cpu().numpy()
+        codes = self.code.cpu().numpy()
+        self._known[fresh] = True
+        return [
+            StructureFailure(
+                index=int(i),
+                step=int(steps[i]),
+                reason=_reason_text(int(codes[i]), self.limits),
+            )
+            for i in fresh
+        ]
+
+    @property
+    def known_mask(self) -> npt.NDArray[np.bool_]:
+        """Structures whose failure has been read back, shape (B,) (a copy)."""
+        return self._known.copy()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _reason_codes(self, batch: Batch) -> torch.Tensor:
+        """Per-structure reason code [B] (0: fine), highest-priority reason first."""
+        index = batch.batch_idx.long()
+        count = batch.num_graphs
+        checks: list[tuple[int, torch.Tensor]] = []
+        for code, key in ((1, "positions"), (2, "velocities"), (5, "forces")):
+            value = _field(batch, key)
+            if value is not None:
+                bad_atom = ~torch.isfinite(value.detach()).all(dim=1)
+                checks.append((code, _any_per_graph(bad_atom, index, count)))
+        for code, key in ((3, "cell"), (4, "energy")):
+            value = _field(batch, key)
+            if value is not None:
+                flat = value.detach().reshape(count, -1)
+                checks.append((code, ~torch.isfinite(flat).all(dim=1)))
+        forces = _field(batch, "forces")
+        if forces is not None:
+            norms = torch.nan_to_num(forces.detach().norm(dim=1), nan=0.0)
+            checks.append(
+                (6, _max_per_graph(norms, index, count) > self.limits.max_force)
+            )
+        previous = self._snapshot.get("positions")
+        if previous is not None:
+            step = _displacements(batch, previous)
+            checks.append(
+                (7, _max_per_graph(step, index, count) > self.limits.max_displacement)
+            )
+        ratio = _volumes(batch) / self._volume0
+        factor = self.limits.max_volume_factor
+        checks.append((8, (ratio > factor) | (ratio < 1.0 / factor)))
+        code = torch.zeros(count, dtype=torch.long, device=batch.device)
+        for value, bad in reversed(checks):
+            code = torch.where(bad, value, code)
+        return code
+
+    def _record(self, code: torch.Tensor) -> None:
+        newly = (code > 0) & ~self.failed
+        self.step = torch.where(newly, self._ase_step(), self.step)
+        self.code = torch.where(newly, code, self.code)
+        self.failed |= newly
+
+    def _restore(self, batch: Batch) -> None:
+        if not self._snapshot:
+            return
+        per_atom = self.failed[batch.batch_idx.long()]
+        for key, saved in self._snapshot.items():
+            target = _field(batch, key)
+            if target is None or target.shape != saved.shape:
+                continue
+            mask = per_atom if key in _ATOM_FIELDS else self.failed
+            mask = mask.view(-1, *([1] * (target.dim() - 1)))
+            target.copy_(torch.where(mask, saved, target))
+
+
+def _field(batch: Batch, key: str) -> torch.Tensor | None:
+    value = getattr(batch, key, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _any_per_graph(
+    flags: torch.Tensor, index: torch.Tensor, count: int
+) -> torch.Tensor:
+    total = torch.zeros(count, dtype=torch.long, device=flags.device)
+    total.index_add_(0, index, flags.long())
+    return total > 0
+
+
+def _max_per_graph(
+    values: torch.Tensor, index: torch.Tensor, count: int
+) -> torch.Tensor:
+    largest = torch.zeros(count, dtype=values.dtype, device=values.device)
+    largest.scatter_reduce_(0, index, values, reduce="amax")
+    return largest
+
+
+def _displacements(batch: Batch, previous: torch.Tensor) -> torch.Tensor:
+    """Distance each atom moved since ``previous`` [V], minimum image (Å).
+
+    Periodic wrapping (e.g. nvalchemi's ``WrapPeriodicHook``) moves an atom by a
+    lattice vector, which is no displacement; NaN counts as 0 (reported as
+    non-finite positions instead).
+    """
+    index = batch.batch_idx.long()
+    delta = batch.positions.detach() - previous
+    cell = batch.cell.detach().reshape(-1, 3, 3)
+    pbc = getattr(batch, "pbc", None)
+    if torch.is_tensor(pbc):
+        periodic = pbc.reshape(-1, 3).to(delta.dtype)[index]
+        inverse = torch.linalg.inv_ex(cell).inverse[index]
+        fractional = torch.einsum("vj,vjk->vk", delta, inverse)
+        fractional = fractional - torch.round(fractional) * periodic
+        delta = torch.einsum("vk,vkj->vj", fractional, cell[index])
+    return torch.nan_to_num(delta.norm(dim=1), nan=0.0)
+
+
+def _volumes(batch: Batch) -> torch.Tensor:
+    cell = batch.cell.detach().reshape(-1, 3, 3).to(torch.float64)
+    return torch.linalg.det(cell).abs()
+
+
+def _reason_text(code: int, limits: FailureLimits) -> str:
+    text = FAILURE_REASONS.get(code, f"unknown failure (code {code})")
+    if code == 6:
+        return f"{text} ({limits.max_force:g} eV/Å)"
+    if code == 7:
+        return f"{text} ({limits.max_displacement:g} Å)"
+    if code == 8:
+        return f"{text} ({limits.max_volume_factor:g})"
+    return text
+
+
+def warn_failures(failures: list[StructureFailure], owner: str) -> None:
+    """Warn once per newly failed structure."""
+    for failure in failures:
+        warnings.warn(
+            f"{owner}: {failure}; the other structures go on (dyn.failures lists "
+            "every failure)",
+            StructureFailedWarning,
+            stacklevel=4,
+        )

@@ -1,0 +1,297 @@
+"""Failure isolation: one structure that blows up costs that structure only.
+
+References are independent runs: the same dynamics on the structures without
+the bad one, and each structure's input state.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from ase import Atoms, units
+from ase.build import bulk
+from ase.constraints import FixAtoms
+from ase.io import read
+
+from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.dynamics.failures import (
+    DynamicsFailureError,
+    FailureLimits,
+    StructureFailedWarning,
+)
+from nvalchemi_ase.md import VelocityVerlet
+from nvalchemi_ase.optimize import FIRE
+
+# Batched vs one-by-one evaluation of the same float64 model: round-off only.
+SAME_PATH_ATOL = 1e-12
+
+
+def _argon(count: int) -> list[Atoms]:
+    """``count`` rattled argon cells of 4 and 8 atoms, with small momenta."""
+    images = []
+    for index in range(count):
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True) * (1 + index % 2, 1, 1)
+        atoms.rattle(0.05, seed=index)
+        rng = np.random.default_rng(index)
+        atoms.set_momenta(rng.normal(0.0, 0.5, (len(atoms), 3)))
+        images.append(atoms)
+    return images
+
+
+def _colliding_dimer() -> Atoms:
+    """Two argon atoms 30 Å apart flying head-on at 1.2 Å/fs each.
+
+    They are out of range of each other (LJ cutoff 8.5 Å) for the first ~9 fs
+    and collide at step 12: at ~1.2 Å the LJ force passes 1e4 eV/Å.
+    """
+    dimer = Atoms("Ar2", positions=[[0, 0, 0], [30.0, 0, 0]], pbc=False)
+    dimer.center(vacuum=10.0)
+    speed = 1.2 / units.fs  # Å per ASE time unit
+    masses = dimer.get_masses()
+    dimer.set_momenta([[speed * masses[0], 0, 0], [-speed * masses[1], 0, 0]])
+    return dimer
+
+
+def _poisoned(model, graph: int, at_call: int):
+    """Make ``model`` give NaN forces for ``graph`` from its ``at_call``-th call."""
+    original = model.forward
+    calls = {"n": 0}
+
+    def forward(batch, *args, **kwargs):
+        outputs = original(batch, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] >= at_call and batch.num_graphs > graph:
+            rows = batch.batch_idx.long() == graph
+            forces = outputs["forces"].clone()
+            forces[rows] = float("nan")
+            outputs["forces"] = forces
+        return outputs
+
+    model.forward = forward
+    return lambda: model.__dict__.pop("forward", None)
+
+
+@pytest.fixture
+def fresh_lj():
+    return NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+
+
+def _run_vv(images, calc, steps, **kwargs):
+    for atoms in images:
+        atoms.calc = calc
+    dyn = VelocityVerlet(images, 1.0 * units.fs, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StructureFailedWarning)
+        dyn.run(steps)
+    return dyn
+
+
+def test_exploding_structure_stops_and_the_others_end_as_without_it(tmp_path):
+    good = _argon(7)
+    bad = _colliding_dimer()
+    images = (
+        [atoms.copy() for atoms in good[:3]]
+        + [bad]
+        + [atoms.copy() for atoms in good[3:]]
+    )
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    traj = str(tmp_path / "md_{i}.traj")
+    for atoms in images:
+        atoms.calc = calc
+    dyn = VelocityVerlet(images, 1.0 * units.fs, trajectory=traj)
+    with pytest.warns(StructureFailedWarning, match=r"images\[3\] failed at step"):
+        dyn.run(40)
+
+    assert [f.index for f in dyn.failures] == [3]
+    failure = dyn.failures[0]
+    assert 5 < failure.step < 40, failure
+    assert "max_force" in failure.reason or "max_displacement" in failure.reason
+    assert dyn.failed_mask.tolist() == [i == 3 for i in range(8)]
+
+    reference = [atoms.copy() for atoms in good]
+    _run_vv(reference, NVAlchemiCalculator("lj", device="cpu", dtype="float64"), 40)
+    others = [atoms for i, atoms in enumerate(images) if i != 3]
+    for atoms, expected in zip(others, reference, strict=True):
+        np.testing.assert_allclose(
+            atoms.positions, expected.positions, atol=SAME_PATH_ATOL, rtol=0
+        )
+        np.testing.assert_allclose(
+            atoms.get_momenta(), expected.get_momenta(), atol=SAME_PATH_ATOL, rtol=0
+        )
+
+    # the bad one keeps its last finite state, which is the last frame written
+    assert np.isfinite(bad.positions).all()
+    frames = read(str(tmp_path / "md_3.traj"), ":")
+    assert len(frames) == failure.step  # steps 0 .. step-1, no frame after
+    np.testing.assert_array_equal(frames[-1].positions, bad.positions)
+    assert np.isfinite(frames[-1].get_potential_energy())
+    assert len(read(str(tmp_path / "md_0.traj"), ":")) == 41
+
+
+def test_nan_forces_in_one_structure_cost_only_that_structure():
+    from nvalchemi.dynamics.hooks import NaNDetectorHook
+
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _argon(8)
+    undo = _poisoned(calc.model, graph=5, at_call=12)
+    try:
+        for atoms in images:
+            atoms.calc = calc
+        dyn = VelocityVerlet(images, 1.0 * units.fs)
+        dyn.attach(NaNDetectorHook())  # sees finite forces: the guard runs first
+        with pytest.warns(StructureFailedWarning, match=r"images\[5\]"):
+            dyn.run(30)
+    finally:
+        undo()
+    assert [(f.index, f.step) for f in dyn.failures] == [(5, 11)]
+    assert "forces became non-finite" in dyn.failures[0].reason
+    reference = [atoms.copy() for i, atoms in enumerate(_argon(8)) if i != 5]
+    _run_vv(reference, NVAlchemiCalculator("lj", device="cpu", dtype="float64"), 30)
+    others = [atoms for i, atoms in enumerate(images) if i != 5]
+    for atoms, expected in zip(others, reference, strict=True):
+        np.testing.assert_allclose(
+            atoms.positions, expected.positions, atol=SAME_PATH_ATOL, rtol=0
+        )
+    assert np.isfinite(images[5].positions).all()
+    assert np.isfinite(images[5].get_forces()).all()
+
+    # the object can go on: the failed structure stays where it was
+    frozen = images[5].positions.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StructureFailedWarning)  # no new failure
+        dyn.run(5)
+    np.testing.assert_array_equal(images[5].positions, frozen)
+    assert dyn.nsteps == 35
+
+
+def test_optimizer_returns_when_every_structure_converged_or_failed():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _argon(6)
+    for atoms in images:
+        atoms.set_momenta(None)
+    undo = _poisoned(calc.model, graph=2, at_call=4)
+    try:
+        for atoms in images:
+            atoms.calc = calc
+        opt = FIRE(images, logfile=None)
+        with pytest.warns(StructureFailedWarning):
+            converged = opt.run(fmax=1e-3)  # ASE's default step limit
+    finally:
+        undo()
+    assert converged is False
+    assert opt.failed_mask.tolist() == [i == 2 for i in range(6)]
+    assert opt.converged_mask.tolist() == [i != 2 for i in range(6)]
+    assert opt.nsteps < 1000
+    reference = [atoms.copy() for i, atoms in enumerate(_argon(6)) if i != 2]
+    ref_calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    for atoms in reference:
+        atoms.set_momenta(None)
+        atoms.calc = ref_calc
+    FIRE(reference, logfile=None).run(fmax=1e-3)
+    others = [atoms for i, atoms in enumerate(images) if i != 2]
+    for atoms, expected in zip(others, reference, strict=True):
+        np.testing.assert_allclose(
+            atoms.positions, expected.positions, atol=SAME_PATH_ATOL, rtol=0
+        )
+
+
+def test_on_failure_raise_restores_raise_on_first_failure(fresh_lj):
+    images = [*_argon(3), _colliding_dimer()]
+    for atoms in images:
+        atoms.calc = fresh_lj
+    dyn = VelocityVerlet(images, 1.0 * units.fs, on_failure="raise")
+    with pytest.raises(
+        DynamicsFailureError, match=r"images\[3\] failed at step \d+"
+    ) as info:
+        dyn.run(40)
+    assert [f.index for f in info.value.failures] == [3]
+    assert all(np.isfinite(atoms.positions).all() for atoms in images)
+
+
+def test_failure_limits_are_checked_and_configurable(fresh_lj):
+    with pytest.raises(ValueError, match="on_failure"):
+        VelocityVerlet(_argon(1), 1.0 * units.fs, model="lj", on_failure="ignore")
+    with pytest.raises(ValueError, match="max_force"):
+        FailureLimits(max_force=-1.0)
+    images = _argon(2)
+    for atoms in images:
+        atoms.calc = fresh_lj
+    # a limit every structure crosses at once: all stop at step 1, input kept
+    tight = FailureLimits(max_displacement=1e-9)
+    before = [atoms.positions.copy() for atoms in images]
+    dyn = VelocityVerlet(images, 1.0 * units.fs, failure_limits=tight)
+    with pytest.warns(StructureFailedWarning):
+        dyn.run(3)
+    assert [(f.index, f.step) for f in dyn.failures] == [(0, 1), (1, 1)]
+    for atoms, positions in zip(images, before, strict=True):
+        np.testing.assert_array_equal(atoms.positions, positions)
+
+
+def test_failed_call_keeps_exact_float64_input():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float32")
+    images = _argon(3)
+    before = [(a.positions.copy(), a.cell.array.copy()) for a in images]
+
+    def broken(batch, *args, **kwargs):
+        raise RuntimeError("model failed")
+
+    calc.model.forward = broken
+    try:
+        for atoms in images:
+            atoms.calc = calc
+        with pytest.raises(RuntimeError, match="model failed"):
+            FIRE(images, logfile=None).run(fmax=0.05, steps=5)
+    finally:
+        del calc.model.forward
+    for atoms, (positions, cell) in zip(images, before, strict=True):
+        np.testing.assert_array_equal(atoms.positions, positions)
+        np.testing.assert_array_equal(atoms.cell.array, cell)
+
+
+def test_structure_that_did_not_move_keeps_exact_float64_input():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float32")
+    images = _argon(2)
+    images[1].set_constraint(FixAtoms(indices=range(len(images[1]))))
+    positions = images[1].positions.copy()
+    for atoms in images:
+        atoms.calc = calc
+    VelocityVerlet(images, 1.0 * units.fs).run(5)
+    np.testing.assert_array_equal(images[1].positions, positions)
+    moved = images[0].positions
+    np.testing.assert_array_equal(moved.astype(np.float32).astype(np.float64), moved)
+
+
+def test_constraint_added_between_runs_is_honoured(fresh_lj):
+    images = _argon(2)
+    for atoms in images:
+        atoms.calc = fresh_lj
+    dyn = VelocityVerlet(images, 1.0 * units.fs)
+    dyn.run(3)
+    images[1].set_constraint(FixAtoms(indices=[0]))
+    pinned = images[1].positions[0].copy()
+    dyn.run(5)
+    np.testing.assert_array_equal(images[1].positions[0], pinned)
+    assert not np.array_equal(images[1].positions[1], pinned)
+
+
+def test_guard_costs_no_extra_model_call(fresh_lj):
+    calls = {"n": 0}
+    original = fresh_lj.model.forward
+
+    def counting(batch, *args, **kwargs):
+        calls["n"] += 1
+        return original(batch, *args, **kwargs)
+
+    fresh_lj.model.forward = counting
+    try:
+        images = _argon(2)
+        for atoms in images:
+            atoms.calc = fresh_lj
+        VelocityVerlet(images, 1.0 * units.fs).run(10)
+    finally:
+        del fresh_lj.model.forward
+    assert calls["n"] == 11  # one priming evaluation and one per step
+    assert torch.get_default_dtype() == torch.float32
