@@ -89,7 +89,28 @@ def _run_vv(images, calc, steps, **kwargs):
     return dyn
 
 
-def test_exploding_structure_stops_and_the_others_end_as_without_it(tmp_path):
+@pytest.fixture(params=["cpu path", "accelerator path"])
+def guard_path(request, monkeypatch):
+    """Run the guard as on a CPU, or as on a GPU: no host reads between syncs."""
+    if request.param == "accelerator path":
+        from nvalchemi_ase.dynamics import base, failures
+
+        original = failures.FailureGuard.__init__
+
+        def device_only(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self._host_branching = False
+
+        monkeypatch.setattr(failures.FailureGuard, "__init__", device_only)
+        monkeypatch.setattr(
+            base.BatchedDynamics, "_reads_are_free", property(lambda self: False)
+        )
+    return request.param
+
+
+def test_exploding_structure_stops_and_the_others_end_as_without_it(
+    tmp_path, guard_path
+):
     good = _argon(7)
     bad = _colliding_dimer()
     images = (
@@ -167,7 +188,7 @@ def test_nan_forces_in_one_structure_cost_only_that_structure():
     assert dyn.nsteps == 35
 
 
-def test_optimizer_returns_when_every_structure_converged_or_failed():
+def test_optimizer_returns_when_every_structure_converged_or_failed(guard_path):
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     images = _argon(6)
     for atoms in images:
@@ -295,3 +316,32 @@ def test_guard_costs_no_extra_model_call(fresh_lj):
         del fresh_lj.model.forward
     assert calls["n"] == 11  # one priming evaluation and one per step
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_relax_then_md_isolates_a_failing_structure():
+    def fused(images, calc):
+        for atoms in images:
+            atoms.calc = calc
+        opt = FIRE(images, logfile=None)
+        md = VelocityVerlet(images, 1.0 * units.fs)
+        return opt.then(md, fmax=0.05, md_steps=10)
+
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _argon(4)
+    undo = _poisoned(calc.model, graph=1, at_call=6)
+    try:
+        run = fused(images, calc)
+        with pytest.warns(StructureFailedWarning, match=r"images\[1\]"):
+            finished = run.run(200)
+    finally:
+        undo()
+    assert finished
+    assert [f.index for f in run.failures] == [1]
+    reference = [atoms for i, atoms in enumerate(_argon(4)) if i != 1]
+    fused(reference, NVAlchemiCalculator("lj", device="cpu", dtype="float64")).run(200)
+    others = [atoms for i, atoms in enumerate(images) if i != 1]
+    for atoms, expected in zip(others, reference, strict=True):
+        np.testing.assert_allclose(
+            atoms.positions, expected.positions, atol=SAME_PATH_ATOL, rtol=0
+        )
+    assert np.isfinite(images[1].positions).all()

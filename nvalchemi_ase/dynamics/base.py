@@ -173,6 +173,8 @@ class BatchedDynamics(AseBaseDynamics):
         skin = self._default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
         self.engine: EngineType = self._build_engine(self._builtin_hooks(skin))
+        # engines that read stress (barostats, cell filters) move cells
+        self._guard.variable_cell = "stress" in self._engine_outputs()
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._stress_step = -1

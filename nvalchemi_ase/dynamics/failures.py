@@ -211,6 +211,17 @@ class FailureGuard:
         When a structure counts as exploded.
     ase_step : callable
         Returns the ASE step the engine is currently computing.
+    variable_cell : bool
+        Whether the engine moves cells (only then is the volume checked); may
+        be set later, once the engine is known.
+
+    Notes
+    -----
+    On a CPU, where reading a number back costs nothing, each check first asks
+    whether anything at all is off in the batch (a few whole-batch reductions)
+    and skips the per-structure work when nothing is, and structures are put
+    back only once one has failed. On an accelerator every check runs in full
+    with tensor operations only, so it never synchronises.
     """
 
     def __init__(
@@ -218,16 +229,22 @@ class FailureGuard:
         batch: Batch,
         limits: FailureLimits,
         ase_step: Callable[[], int],
+        *,
+        variable_cell: bool = True,
     ) -> None:
         count = batch.num_graphs
         device = batch.device
         self.limits = limits
         self._ase_step = ase_step
+        self.variable_cell = variable_cell
+        self._host_branching = device.type == "cpu"
+        self._any_failed = False
         self.failed = torch.zeros(count, dtype=torch.bool, device=device)
         self.step = torch.full((count,), -1, dtype=torch.long, device=device)
         self.code = torch.zeros(count, dtype=torch.long, device=device)
         self._volume0 = _volumes(batch)
         self._snapshot: dict[str, torch.Tensor] = {}
+        self._has_snapshot = False
         self._known = np.zeros(count, dtype=bool)
 
     # -- hooks ------------------------------------------------------------------
@@ -243,18 +260,24 @@ class FailureGuard:
     def take_snapshot(self, batch: Batch) -> None:
         """Remember the state every structure has before the step."""
         with torch.no_grad():
-            self._snapshot = {
-                key: value.detach().clone()
-                for key in (*_ATOM_FIELDS, *_SYSTEM_FIELDS)
-                if (value := _field(batch, key)) is not None
-            }
+            for key in (*_ATOM_FIELDS, *_SYSTEM_FIELDS):
+                value = _field(batch, key)
+                if value is None:
+                    continue
+                saved = self._snapshot.get(key)
+                if saved is None or saved.shape != value.shape:
+                    self._snapshot[key] = value.detach().clone()
+                else:
+                    saved.copy_(value)
+        self._has_snapshot = True
 
     def check(self, batch: Batch) -> None:
         """Flag structures past the limits; put every flagged one back."""
         with torch.no_grad():
-            code = self._reason_codes(batch)
-            self._record(code)
-            self._restore(batch)
+            if not (self._host_branching and self._all_within_limits(batch)):
+                self._record(self._reason_codes(batch))
+            if self._any_failed or not self._host_branching:
+                self._restore(batch)
 
     def forget_snapshot(self) -> None:
         """Drop the snapshot before a (re-)evaluation that follows no step.
@@ -263,7 +286,7 @@ class FailureGuard:
         structure it rejects has nothing to go back to: it keeps the state it
         was given and never moves.
         """
-        self._snapshot = {}
+        self._has_snapshot = False
 
     def reset_volumes(self, batch: Batch) -> None:
         """Take the batch's current cells as the reference for the volume limit."""
@@ -310,6 +333,30 @@ class FailureGuard:
 
     # -- internals ---------------------------------------------------------------
 
+    def _all_within_limits(self, batch: Batch) -> bool:
+        """Whole-batch test that nothing is off (host branch; CPU only)."""
+        for key in ("positions", "velocities", "forces", "cell", "energy"):
+            value = _field(batch, key)
+            if value is not None and not bool(torch.isfinite(value).all()):
+                return False
+        forces = _field(batch, "forces")
+        if forces is not None and forces.numel():
+            largest = float((forces * forces).sum(dim=1).max())
+            if largest > self.limits.max_force**2:
+                return False
+        previous = self._snapshot.get("positions") if self._has_snapshot else None
+        if previous is not None and previous.numel():
+            delta = batch.positions - previous
+            largest = float((delta * delta).sum(dim=1).max())
+            if largest > self.limits.max_displacement**2:
+                return False  # or a periodic wrap: the full check tells
+        if self.variable_cell:
+            ratio = _volumes(batch) / self._volume0
+            factor = self.limits.max_volume_factor
+            if bool(((ratio > factor) | (ratio < 1.0 / factor)).any()):
+                return False
+        return True
+
     def _reason_codes(self, batch: Batch) -> torch.Tensor:
         """Per-structure reason code [B] (0: fine), highest-priority reason first."""
         index = batch.batch_idx.long()
@@ -331,15 +378,16 @@ class FailureGuard:
             checks.append(
                 (6, _max_per_graph(norms, index, count) > self.limits.max_force)
             )
-        previous = self._snapshot.get("positions")
-        if previous is not None:
+        previous = self._snapshot.get("positions") if self._has_snapshot else None
+        if previous is not None and previous.shape == batch.positions.shape:
             step = _displacements(batch, previous)
             checks.append(
                 (7, _max_per_graph(step, index, count) > self.limits.max_displacement)
             )
-        ratio = _volumes(batch) / self._volume0
-        factor = self.limits.max_volume_factor
-        checks.append((8, (ratio > factor) | (ratio < 1.0 / factor)))
+        if self.variable_cell:
+            ratio = _volumes(batch) / self._volume0
+            factor = self.limits.max_volume_factor
+            checks.append((8, (ratio > factor) | (ratio < 1.0 / factor)))
         code = torch.zeros(count, dtype=torch.long, device=batch.device)
         for value, bad in reversed(checks):
             code = torch.where(bad, value, code)
@@ -350,9 +398,11 @@ class FailureGuard:
         self.step = torch.where(newly, self._ase_step(), self.step)
         self.code = torch.where(newly, code, self.code)
         self.failed |= newly
+        if self._host_branching:
+            self._any_failed = bool(self.failed.any())
 
     def _restore(self, batch: Batch) -> None:
-        if not self._snapshot:
+        if not self._has_snapshot:
             return
         per_atom = self.failed[batch.batch_idx.long()]
         for key, saved in self._snapshot.items():
