@@ -79,7 +79,7 @@ def md_class(
                 images, timestep, trajectory, logfile, loginterval, **kwargs
             )
 
-        def _build_engine(self, hooks: list[Any]) -> Any:
+        def build_engine(self, hooks: list[Any]) -> Any:
             step = ase_time_to_fs(self.dt) if timestep_unit == "fs" else self.dt
             options = {timestep_argument: step, **_n_steps_default(engine_class)}
             return engine_class(
@@ -130,7 +130,7 @@ def optimizer_class(
             self.engine_options = dict(engine_options or {})
             super().__init__(images, restart, logfile, trajectory, **kwargs)
 
-        def _build_engine(self, hooks: list[Any]) -> Any:
+        def build_engine(self, hooks: list[Any]) -> Any:
             options = _n_steps_default(engine_class)
             return engine_class(
                 self.model, hooks=hooks, **options, **self.engine_options

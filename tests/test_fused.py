@@ -7,7 +7,7 @@ import pytest
 from ase import units
 
 from nvalchemi_ase import NVAlchemiCalculator
-from nvalchemi_ase.dynamics.fused import FINISHED, RELAXING, RUNNING_MD
+from nvalchemi_ase.compose import FINISHED, RELAXING, RUNNING_MD
 from nvalchemi_ase.md import VelocityVerlet
 from nvalchemi_ase.optimize import FIRE2
 from tests.structures import cluster, rattled_bulk, thermalize

@@ -115,10 +115,10 @@ class BatchedDynamics(AseBaseDynamics):
         :class:`~nvalchemi_ase.dynamics.failures.FailureLimits`).
     """
 
-    #: Whether structures may be given as cell filters (optimizers only).
-    _accepts_cell_filters = False
+    #: Engine protocol: whether structures may be given as cell filters.
+    accepts_cell_filters = False
     #: Whether the engine's velocities are physical (MD) and go to momenta.
-    _velocities_are_momenta = True
+    velocities_are_momenta = True
 
     def __init__(
         self,
@@ -143,7 +143,7 @@ class BatchedDynamics(AseBaseDynamics):
                 f"FailureLimits, got {type(failure_limits).__name__}"
             )
         atoms_list, cell_filter, single = resolve_images(
-            images, allow_cell_filters=self._accepts_cell_filters
+            images, allow_cell_filters=self.accepts_cell_filters
         )
         check_constraints(atoms_list)
         self.images: list[Atoms] = atoms_list
@@ -170,11 +170,11 @@ class BatchedDynamics(AseBaseDynamics):
         self._frame_steps = np.full(len(atoms_list), -1)
         self._positions_at_write = self.batch.positions.detach().clone()
         self._cell_at_write = self.batch.cell.detach().clone()
-        skin = self._default_skin() if neighbor_skin is None else float(neighbor_skin)
+        skin = self.default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
-        self.engine: EngineType = self._build_engine(self._builtin_hooks(skin))
+        self.engine: EngineType = self.build_engine(self._builtin_hooks(skin))
         # engines that read stress (barostats, cell filters) move cells
-        self._guard.variable_cell = "stress" in self._engine_outputs()
+        self._guard.variable_cell = "stress" in self.engine_outputs()
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._stress_step = -1
@@ -196,11 +196,29 @@ class BatchedDynamics(AseBaseDynamics):
         self._setup_logging(logfile)
 
     # ------------------------------------------------------------------
-    # Subclass interface
+    # Engine protocol: what an md/ or optimize/ class tells the run machinery
     # ------------------------------------------------------------------
 
-    def _build_engine(self, hooks: list[Any]) -> EngineType:
-        """Return the nvalchemi engine (subclasses), registered with ``hooks``."""
+    def build_engine(self, hooks: list[Any]) -> EngineType:
+        """Build this class's nvalchemi engine with ``hooks`` registered.
+
+        The one method every ASE-style class implements. It is called once per
+        dynamics object (nvalchemi sizes engine state on the first batch), and
+        again by compositions such as :class:`~nvalchemi_ase.compose.RelaxThenMD`
+        with their own hooks.
+
+        Parameters
+        ----------
+        hooks : list
+            nvalchemi hooks to register (failure guard, neighbour list, frozen
+            atoms), in that order, before any the user attaches.
+
+        Returns
+        -------
+        nvalchemi.dynamics.base.BaseDynamics
+            The engine; its time step in fs, temperatures in K (nvalchemi's
+            kB), pressures in eV/Å³ (convert with :mod:`nvalchemi_ase.units`).
+        """
         raise NotImplementedError
 
     def _setup_logging(self, logfile: Any) -> None:
@@ -209,12 +227,20 @@ class BatchedDynamics(AseBaseDynamics):
     def _check_inputs(self) -> None:
         """Validate arguments against the structures before any work (subclasses)."""
 
-    def _engine_outputs(self) -> set[str]:
-        """Model outputs every engine step needs."""
+    def engine_outputs(self) -> set[str]:
+        """Model outputs every engine step needs (``stress`` for barostats).
+
+        Returns
+        -------
+        set of str
+            nvalchemi output names; engines that read ``stress`` are taken to
+            move cells.
+        """
         needs = set(getattr(self.engine, "__needs_keys__", ()))
         return {"energy", "forces"} | (needs & {"stress"})
 
-    def _default_skin(self) -> float:
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
         return DEFAULT_SKIN
 
     def _progress_note(self) -> str | None:
@@ -223,7 +249,7 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _momenta_mask(self) -> bool | npt.NDArray[np.bool_]:
         """Which structures' velocities are physical momenta to write back."""
-        return self._velocities_are_momenta
+        return self.velocities_are_momenta
 
     def _writeback_rotation(self) -> npt.NDArray[np.float64] | None:
         """Rotations (B, 3, 3) taking the batch's frame to the user's, or None."""
@@ -519,7 +545,7 @@ class BatchedDynamics(AseBaseDynamics):
         it (trajectory frames, recorders) is due.
         """
         supported = set(self.model.model_config.outputs)
-        wanted = self._engine_outputs()
+        wanted = self.engine_outputs()
         if "stress" in supported and any(
             is_due(interval, nsteps)
             for function, interval, _, _ in self.observers
@@ -576,7 +602,7 @@ class BatchedDynamics(AseBaseDynamics):
             dtype=self.setup.dtype,
             warn_dropped=False,
         )
-        if not self._velocities_are_momenta:
+        if not self.velocities_are_momenta:
             batch.velocities.zero_()
         return batch
 
@@ -584,7 +610,7 @@ class BatchedDynamics(AseBaseDynamics):
         stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
         hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
         if bool((self.batch.atom_categories == FROZEN_CATEGORY).any()):
-            hooks.append(freeze_hook(zero_velocities=self._velocities_are_momenta))
+            hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
         return hooks
 
     def _attach_calculators(self) -> None:
@@ -610,7 +636,7 @@ class BatchedDynamics(AseBaseDynamics):
             for index, (atoms, old) in enumerate(
                 zip(self.images, self._written, strict=True)
             )
-            if _differs(atoms, old, momenta=self._velocities_are_momenta)
+            if _differs(atoms, old, momenta=self.velocities_are_momenta)
         ]
         if _constraint_state(self.images) != self._constraints_written:
             self._adopt_new_constraints()
@@ -649,7 +675,7 @@ class BatchedDynamics(AseBaseDynamics):
         has_hook = any(_is_freeze_hook(hook) for hook in self.engine.hooks)
         if frozen and not has_hook:
             self.engine.register_hook(
-                freeze_hook(zero_velocities=self._velocities_are_momenta)
+                freeze_hook(zero_velocities=self.velocities_are_momenta)
             )
         self._constraints_written = _constraint_state(self.images)
         self._primed = False

@@ -92,7 +92,8 @@ class Andersen(BatchedMolecularDynamics):
             )
         return probability
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.andersen")
         return engines.NVTAndersen(
             self.model,

@@ -93,7 +93,8 @@ class Bussi(BatchedMolecularDynamics):
                     "velocities first (e.g. MaxwellBoltzmannDistribution)"
                 )
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.bussi")
         taut = self._per_structure("taut", self.taut, strict=True)
         return engines.NVTBussi(

@@ -103,7 +103,8 @@ class Langevin(BatchedMolecularDynamics):
             "seed": self.seed,
         }
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         friction = self._per_structure("friction", self.friction, strict=True)
         return dynamics.NVTLangevin(

@@ -68,7 +68,8 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
             "tchain": self.tchain,
         }
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         tdamp = self._per_structure("tdamp", self.tdamp, strict=True)
         return dynamics.NVTNoseHoover(

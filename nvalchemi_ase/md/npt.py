@@ -36,7 +36,8 @@ class _VariableCellMD(BatchedMolecularDynamics):
                     "structures"
                 )
 
-    def _default_skin(self) -> float:
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
         # The engine rescales the cell every step; the skin test only watches
         # atom displacements, so the list is rebuilt every step.
         return 0.0
@@ -112,7 +113,8 @@ class IsotropicMTKNPT(_VariableCellMD):
             "tchain": self.tchain,
         }
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         return dynamics.NPT(
             self.model,
@@ -186,7 +188,8 @@ class NPH(_VariableCellMD):
             "pressure_coupling": self.pressure_coupling,
         }
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         return dynamics.NPH(
             self.model,

@@ -80,7 +80,8 @@ class NVTBerendsen(BatchedMolecularDynamics):
                     "reproduce. Pass fixcm=False (fixed atoms anchor the structure)"
                 )
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.berendsen")
         taut = self._per_structure("taut", self.taut, strict=True)
         return engines.NVTBerendsen(

@@ -37,6 +37,7 @@ class VelocityVerlet(BatchedMolecularDynamics):
     >>> dyn.run(100)
     """
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         return dynamics.NVE(self.model, dt=ase_time_to_fs(self.dt), hooks=hooks)

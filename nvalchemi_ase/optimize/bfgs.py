@@ -86,7 +86,8 @@ class BFGS(BatchedOptimizer):
                 stacklevel=5,
             )
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.bfgs")
         return engines.BFGS(
             self.model, maxstep=self.maxstep, alpha=self.alpha, hooks=hooks

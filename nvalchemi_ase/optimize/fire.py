@@ -89,7 +89,8 @@ class FIRE(BatchedOptimizer):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         with warnings.catch_warnings():
             # nvalchemi 0.3 marks FIRE deprecated in favour of FIRE2; ASE users
@@ -168,10 +169,12 @@ class FIRE2(BatchedOptimizer):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
-    def _default_skin(self) -> float:
-        return 0.0 if self.cell_filter is not None else super()._default_skin()
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
+        return 0.0 if self.cell_filter is not None else super().default_skin()
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         engine = (
             dynamics.FIRE2VariableCell

@@ -59,10 +59,12 @@ class LBFGS(BatchedOptimizer):
         if self.memory < 1:
             raise ValueError(f"memory must be >= 1, got {self.memory}")
 
-    def _default_skin(self) -> float:
-        return 0.0 if self.cell_filter is not None else super()._default_skin()
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
+        return 0.0 if self.cell_filter is not None else super().default_skin()
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         if self.cell_filter is None:
             return dynamics.LBFGS(

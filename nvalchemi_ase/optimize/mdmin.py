@@ -67,6 +67,7 @@ class MDMin(BatchedOptimizer):
         """ASE's description plus the time step."""
         return super().todict() | {"dt": self.dt}
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.mdmin")
         return engines.MDMin(self.model, dt=self.dt, maxstep=self.maxstep, hooks=hooks)

@@ -48,8 +48,8 @@ class BatchedOptimizer(BatchedDynamics):
         ``loginterval``, ``model``, ``device``, ``dtype``, ``neighbor_skin``.
     """
 
-    _accepts_cell_filters = True
-    _velocities_are_momenta = False
+    accepts_cell_filters = True
+    velocities_are_momenta = False
 
     def __init__(
         self,
@@ -179,7 +179,7 @@ class BatchedOptimizer(BatchedDynamics):
             MD steps per structure after it relaxed (None: until ``run`` ends).
         trajectory, logfile, loginterval
             Output of the fused run (see
-            :class:`~nvalchemi_ase.dynamics.fused.RelaxThenMD`).
+            :class:`~nvalchemi_ase.compose.RelaxThenMD`).
 
         Returns
         -------
@@ -187,7 +187,7 @@ class BatchedOptimizer(BatchedDynamics):
             One run on nvalchemi's ``FusedStage``; ``optimizer + md`` is
             ``optimizer.then(md)``.
         """
-        from nvalchemi_ase.dynamics.fused import RelaxThenMD
+        from nvalchemi_ase.compose import RelaxThenMD
 
         return RelaxThenMD(
             self,
@@ -368,8 +368,9 @@ class BatchedOptimizer(BatchedDynamics):
                     "optimizers need right-handed cells (swap two lattice vectors)"
                 )
 
-    def _engine_outputs(self) -> set[str]:
-        outputs = super()._engine_outputs()
+    def engine_outputs(self) -> set[str]:
+        """Model outputs every engine step needs (engine protocol)."""
+        outputs = super().engine_outputs()
         if self.cell_filter is not None:
             outputs.add("stress")
         return outputs

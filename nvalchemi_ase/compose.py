@@ -7,12 +7,20 @@ moves to MD as soon as its largest force drops to ``fmax``, and finishes after
 ``md_steps`` MD steps of its own, while the others go on. Each structure enters
 MD with the momenta its ``Atoms`` had when the composition was made (zero if
 none), not with the optimizer's fictitious velocities.
+
+This module sits above both halves of the ASE contract: it imports
+``nvalchemi_ase.md`` and ``nvalchemi_ase.optimize``, which never import each
+other (as in ASE). The one edge back is lazy and documented:
+``BatchedOptimizer.then`` imports this module when it is called.
+Both parts describe their engines through the engine protocol of
+:class:`~nvalchemi_ase.dynamics.base.BatchedDynamics` (``build_engine``,
+``engine_outputs``), which is all the composition uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -21,10 +29,8 @@ import torch
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
-
-if TYPE_CHECKING:
-    from nvalchemi_ase.md.md import BatchedMolecularDynamics
-    from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.optimize.optimize import BatchedOptimizer
 
 __all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD"]
 
@@ -171,11 +177,12 @@ class RelaxThenMD(BatchedDynamics):
         batch.velocities.zero_()  # the optimizer's velocities start at rest
         return batch
 
-    def _build_engine(self, hooks: list[Any]) -> Any:
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
-        relax = self.optimizer._build_engine([])
+        relax = self.optimizer.build_engine([])
         relax.convergence_hook = dynamics.ConvergenceHook.from_fmax(threshold=self.fmax)
-        integrate = self.md._build_engine([])
+        integrate = self.md.build_engine([])
         integrate.n_steps = self.md_steps
         stages = dynamics.DynamicsStage
         entry = _EnterMDWithInitialMomenta(self._entry_velocities, stages.BEFORE_STEP)
@@ -184,8 +191,9 @@ class RelaxThenMD(BatchedDynamics):
             hooks=[*hooks, entry],
         )
 
-    def _engine_outputs(self) -> set[str]:
-        outputs = set(self.optimizer._engine_outputs()) | set(self.md._engine_outputs())
+    def engine_outputs(self) -> set[str]:
+        """Model outputs every engine step needs (engine protocol)."""
+        outputs = set(self.optimizer.engine_outputs()) | set(self.md.engine_outputs())
         return outputs
 
     def _momenta_mask(self) -> npt.NDArray[np.bool_]:
@@ -256,9 +264,6 @@ class _EnterMDWithInitialMomenta:
 
 
 def _check_parts(optimizer: Any, md: Any) -> None:
-    from nvalchemi_ase.md.md import BatchedMolecularDynamics
-    from nvalchemi_ase.optimize.optimize import BatchedOptimizer
-
     if not isinstance(optimizer, BatchedOptimizer) or not isinstance(
         md, BatchedMolecularDynamics
     ):
