@@ -72,11 +72,15 @@ class NVAlchemiCalculator(Calculator):
         An nvalchemi model wrapper, or a name for
         :func:`nvalchemi_ase.models.load_model` (``"lj"``, ``"demo"``, ...).
     device : torch.device or str or None
-        ``None``: CUDA when available, else CPU. The model is moved there.
+        ``None``: CUDA when available, else CPU.
     dtype : torch.dtype or str or None
         Precision of positions, cell and the model; ``None`` uses the model's
         own weight dtype (float32 for SevenNet-0 and the demo model) and float64
         for weightless analytic models such as LJ.
+
+        A model object you pass is never changed: if its weights are on
+        another device or in another dtype, the calculator works on a copy
+        (``calc.model``); pass a model already there to share it.
     **model_params
         Parameters for :func:`~nvalchemi_ase.models.load_model` when ``model`` is
         a name (ASE units: eV, Å).
@@ -139,8 +143,11 @@ class NVAlchemiCalculator(Calculator):
         self.device = resolve_device(device)
         native = model_native_dtype(self.model)
         self.dtype = resolve_dtype(dtype, default=native or torch.float64)
-        if isinstance(self.model, torch.nn.Module):
-            self.model.to(device=self.device, dtype=self.dtype)
+        if isinstance(self.model, torch.nn.Module) and not _is_on(
+            self.model, self.device, self.dtype
+        ):
+            owned = self.model if isinstance(model, str) else copy.deepcopy(self.model)
+            self.model = owned.to(device=self.device, dtype=self.dtype)
         outputs = self.model.model_config.outputs
         self.implemented_properties = [
             prop for prop, needed in _MODEL_OUTPUT_OF.items() if needed in outputs
@@ -374,6 +381,18 @@ class NVAlchemiCalculator(Calculator):
             for key, value in outputs.items()
             if isinstance(value, torch.Tensor)
         }
+
+
+def _is_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether every weight and buffer already has ``device`` and (floats) ``dtype``."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.device.type != device.type or (
+            device.index is not None and tensor.device.index != device.index
+        ):
+            return False
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            return False
+    return True
 
 
 def _identical_state(cached: Atoms, atoms: Atoms) -> bool:

@@ -1,8 +1,10 @@
 """PNG plots of batched runs: one line per structure, or a band for large batches.
 
 Used by :meth:`nvalchemi_ase.dynamics.recorder.Recorder.plot` and the command
-line's ``--plot``. matplotlib is imported when a plot is drawn (Agg backend,
-no display needed).
+line's ``--plot``. matplotlib is imported when a plot is drawn; figures are
+``matplotlib.figure.Figure`` objects rendered straight to PNG, so no display is
+needed and the caller's pyplot backend and figure list are left alone (a
+notebook keeps its inline backend).
 """
 
 from __future__ import annotations
@@ -104,18 +106,14 @@ def _draw(
     log: set[str],
     labels: Sequence[str] | None,
 ) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(
+    figure = Figure(figsize=(7, 2.4 * len(panels)), layout="constrained")
+    axes = figure.subplots(
         len(panels),
         1,
-        figsize=(7, 2.4 * len(panels)),
         sharex=True,
         squeeze=False,
-        layout="constrained",
     )
     for axis, (key, label) in zip(axes[:, 0], panels, strict=True):
         values = np.asarray(series[key], dtype=np.float64)
@@ -133,7 +131,6 @@ def _draw(
     output = Path(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
-    plt.close(figure)
     return output
 
 

@@ -308,3 +308,23 @@ def test_cuda_matches_cpu(lj_calc64):
     for a, b in zip(on_gpu, on_cpu, strict=True):
         assert a["energy"] == pytest.approx(b["energy"], rel=1e-10)
         np.testing.assert_allclose(a["forces"], b["forces"], atol=1e-10)
+
+
+def test_a_model_passed_in_is_never_changed_in_place():
+    from nvalchemi_ase.models import load_model
+
+    model = load_model("demo")  # float32 weights on the CPU
+    weight = next(model.parameters())
+    before = weight.detach().clone()
+    calc64 = NVAlchemiCalculator(model, device="cpu", dtype="float64")
+    assert weight.dtype == torch.float32 and torch.equal(weight, before)
+    assert calc64.model is not model
+    assert next(calc64.model.parameters()).dtype == torch.float64
+    # a model already where the calculator runs is shared, not copied
+    calc32 = NVAlchemiCalculator(model, device="cpu", dtype="float32")
+    assert calc32.model is model
+    atoms = rattled_bulk(repeat=1)
+    atoms.calc = calc64
+    e64 = atoms.get_potential_energy()
+    atoms.calc = calc32
+    assert atoms.get_potential_energy() == pytest.approx(e64, rel=1e-5)

@@ -68,3 +68,26 @@ def test_progress_bar_goes_to_stderr_only(capfd, lj_calc64):
     assert "VelocityVerlet" in err
     assert "5/5" in err
     assert "converged 1/1" in err
+
+
+def test_plotting_leaves_the_callers_backend_and_figures_alone(tmp_path):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from nvalchemi_ase.plotting import plot_relaxation
+
+    original = matplotlib.get_backend()
+    matplotlib.use("svg")  # a user's choice, e.g. a notebook's inline backend
+    try:
+        figures = plt.get_fignums()
+        series = {
+            "step": np.arange(5.0),
+            "epot_per_atom": np.linspace(0.0, -1.0, 5)[:, None],
+            "fmax": np.geomspace(1.0, 0.01, 5)[:, None],
+        }
+        path = plot_relaxation(series, tmp_path / "relax.png")
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == figures
+    finally:
+        matplotlib.use(original)

@@ -273,4 +273,5 @@ def resolve_model_setup(
     calculator = reference or NVAlchemiCalculator(
         resolved, device=run_device, dtype=run_dtype
     )
-    return ModelSetup(resolved, run_device, run_dtype, calculator)
+    # the calculator's model: the user's object, or its copy on device/dtype
+    return ModelSetup(calculator.model, run_device, run_dtype, calculator)
