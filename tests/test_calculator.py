@@ -317,7 +317,8 @@ def test_a_model_passed_in_is_never_changed_in_place():
     weight = next(model.parameters())
     before = weight.detach().clone()
     calc64 = NVAlchemiCalculator(model, device="cpu", dtype="float64")
-    assert weight.dtype == torch.float32 and torch.equal(weight, before)
+    assert weight.dtype == torch.float32
+    assert torch.equal(weight, before)
     assert calc64.model is not model
     assert next(calc64.model.parameters()).dtype == torch.float64
     # a model already where the calculator runs is shared, not copied
