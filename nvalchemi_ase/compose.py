@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from nvalchemi_ase._compat import ensure_bookkeeping_fields
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
@@ -91,7 +92,7 @@ class RelaxThenMD(BatchedDynamics):
             dtype=md.setup.dtype,
             neighbor_skin=min(optimizer.neighbor_skin, md.neighbor_skin),
         )
-        self.engine._ensure_bookkeeping_fields(self.batch)
+        ensure_bookkeeping_fields(self.engine, self.batch)
         self.batch["status"].zero_()
 
     # -- ASE API ---------------------------------------------------------------

@@ -18,8 +18,8 @@ from nvalchemi_ase.optimize import BFGS, MDMin
 from tests.structures import A_AR, cluster, rattled_bulk
 from tests.test_convert import assert_same_snapshot, snapshot
 
-COMPARED_STEPS = 20  # issue acceptance: the first 20 steps
-PATH_TOL = 1e-8  # Å, ours vs ASE per step (issue acceptance)
+COMPARED_STEPS = 20  # the first 20 steps are compared with ASE's path
+PATH_TOL = 1e-8  # Å, ours vs ASE per step: same algorithm in float64
 BATCH_PATH_TOL = 1e-10  # Å, batched vs single-structure run of our own engine
 FMAX = 0.01  # eV/Å, convergence threshold for step counts
 

@@ -15,8 +15,8 @@ from nvalchemi_ase.optimize import FIRE, FIRE2, LBFGS
 from tests.structures import cluster, rattled_bulk, triclinic
 from tests.test_convert import assert_same_snapshot, snapshot
 
-SAME_MINIMUM_EV_PER_ATOM = 1e-6  # issue acceptance, at a tight fmax (see below)
-LATTICE_TOL = 1e-3  # Å, issue acceptance
+SAME_MINIMUM_EV_PER_ATOM = 1e-6  # same minimum as ASE's, at a tight fmax (below)
+LATTICE_TOL = 1e-3  # Å: variable-cell minimum vs ASE's, both to a tight fmax
 
 
 def fresh_calc(model):

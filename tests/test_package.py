@@ -94,7 +94,12 @@ def _module_level(tree: ast.Module):
 
 # Layers, bottom up; a module may import its own layer's modules and lower ones.
 LAYERS = [
-    ("nvalchemi_ase.units", "nvalchemi_ase.devices", "nvalchemi_ase._quiet"),
+    (
+        "nvalchemi_ase.units",
+        "nvalchemi_ase.devices",
+        "nvalchemi_ase._quiet",
+        "nvalchemi_ase._compat",
+    ),
     ("nvalchemi_ase.convert",),
     ("nvalchemi_ase.models", "nvalchemi_ase.calculator"),
     ("nvalchemi_ase.dynamics", "nvalchemi_ase.engines"),

@@ -35,8 +35,8 @@ from tests._tolerances import (
     FD_STRESS_ATOL,
 )
 
-# Batched float32 model vs sevenn's calculator on one structure (the brief's
-# acceptance figures; both run SevenNet's float32 weights in float32).
+# Batched float32 model vs sevenn's calculator on one structure (both run
+# SevenNet's float32 weights in float32: float32 round-off of sums over edges).
 ENERGY_RTOL = 1e-5
 FORCE_ATOL = 1e-4  # eV/Å
 STRESS_ATOL = 1e-5  # eV/Å³

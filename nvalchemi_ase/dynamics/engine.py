@@ -3,16 +3,18 @@
 ASE's ``irun()`` is a generator: it yields after the initial force evaluation and
 after every step, and the caller may stop, inspect or change the structures in
 between. nvalchemi's public ``run(batch, n_steps)`` re-primes the model on every
-call (survey §6.2), so the ASE layer drives ``engine.step(batch)`` instead and
-performs ``run()``'s set-up itself. The few private engine members that needs
-(hook opening and closing, admission, priming) are used only in this module;
-nvalchemi is pinned to ``>=0.3,<0.4`` and the dynamics tests exercise each one.
+call (``BaseDynamics.run`` primes forces before its first step), so the ASE
+layer drives ``engine.step(batch)`` instead and performs ``run()``'s set-up
+itself. The private engine members that needs (hook opening and closing,
+admission, priming) are reached through
+:mod:`nvalchemi_ase._compat`, whose contract test names any upstream change.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nvalchemi_ase._compat import close_hooks, open_hooks, prime_engine
 from nvalchemi_ase._quiet import import_quietly
 
 if TYPE_CHECKING:
@@ -49,7 +51,8 @@ class EngineDriver:
     ----------
     engine : nvalchemi.dynamics.base.BaseDynamics
         A freshly built engine, used for this batch composition only (engines
-        size their state on the first batch and never resize, survey §6.1).
+        size their state on the first batch and never resize it:
+        ``BaseDynamics._ensure_state_initialized`` runs once).
     batch : nvalchemi.data.Batch
         The batch the engine evolves in place.
     """
@@ -62,14 +65,14 @@ class EngineDriver:
     def open(self) -> None:
         """Enter the engine's context-manager hooks (as ``run()`` does first)."""
         if not self._open:
-            self.engine._open_hooks()
+            open_hooks(self.engine)
             self._open = True
 
     def close(self) -> None:
         """Exit the engine's context-manager hooks (as ``run()`` does last)."""
         if self._open:
             self._open = False
-            self.engine._close_hooks()
+            close_hooks(self.engine)
 
     def prime(self) -> None:
         """Admit the batch and evaluate the model once, before any step.
@@ -79,11 +82,7 @@ class EngineDriver:
         ``step()`` of ``run()`` would; the next :meth:`step` then integrates
         without a second evaluation.
         """
-        engine, batch = self.engine, self.batch
-        engine._admission_initialized = False
-        engine._ensure_admission_initialized(batch)
-        engine._prime_forces(batch, engine.active_graph_mask(batch, engine.exit_status))
-        engine._forces_primed = True
+        prime_engine(self.engine, self.batch)
 
     def step(self) -> None:
         """Advance every active structure by one engine step (all hook stages)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvalchemi_ase._compat import eager_call, neighbor_hook_reference
 from nvalchemi_ase._quiet import import_quietly
 
 if TYPE_CHECKING:
@@ -34,8 +35,9 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
     """Neighbour-list hooks for ``model`` with a Verlet skin.
 
     nvalchemi's ``NeighborListHook.__call__`` is wrapped in ``torch.compile``;
-    on the CPU that costs seconds per new batch shape and buys nothing (survey
-    §2.2), so the hook's own, uncompiled function is used, behind the skip
+    on the CPU that costs about a second of compilation per new batch shape
+    and buys nothing (step times are the same with ``TORCHDYNAMO_DISABLE=1``),
+    so the hook's own, uncompiled function is used, behind the skip
     described in the module docstring.
 
     Parameters
@@ -69,7 +71,7 @@ def is_neighbor_hook(hook: object) -> bool:
 def _skipping_hook_class() -> type:
     base: Any = import_quietly("nvalchemi.hooks").NeighborListHook
     compiled_call = base.__call__
-    eager_call = getattr(compiled_call, "_torchdynamo_orig_callable", compiled_call)
+    eager = eager_call(compiled_call)
 
     class SkinNeighborListHook(base):  # type: ignore[misc,valid-type]
         """nvalchemi's ``NeighborListHook``, eager, skipped while its skin holds."""
@@ -84,7 +86,7 @@ def _skipping_hook_class() -> type:
             batch = ctx.batch
             if _list_still_holds(self, batch):
                 return
-            eager_call(self, ctx, stage)
+            eager(self, ctx, stage)
             self.builds += 1
             self._written = _neighbor_data(batch)
             self._cell_at_build = _cell_of(batch)
@@ -101,12 +103,12 @@ def _list_still_holds(hook: Any, batch: Batch) -> bool:
     """
     if batch.positions.device.type != "cpu" or hook.skin <= 0.0:
         return False
-    reference = hook._ref_positions
+    reference, allocated_atoms, allocated_systems = neighbor_hook_reference(hook)
     if (
         reference is None
         or hook._written is None
-        or hook._alloc_N != batch.num_nodes
-        or hook._alloc_B != batch.num_graphs
+        or allocated_atoms != batch.num_nodes
+        or allocated_systems != batch.num_graphs
         or _neighbor_data(batch) is not hook._written
     ):
         return False

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from nvalchemi._typing import AtomCategory
 from nvalchemi.data import Batch
-from nvalchemi.dynamics._ops._bridge import _make_state_batch
 from nvalchemi.dynamics.base import BaseDynamics
+
+from nvalchemi_ase._compat import frozen_category, make_state_batch
 
 __all__ = [
     "FROZEN_CATEGORY",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: ``atom_categories`` value of frozen atoms (what ``FreezeAtomsHook`` freezes).
-FROZEN_CATEGORY: int = AtomCategory.SPECIAL.value
+FROZEN_CATEGORY: int = frozen_category()
 
 #: A scalar, or one value per structure (array-like or tensor of shape [B]).
 ParameterValue = float | torch.Tensor | np.ndarray | list[float] | tuple[float, ...]
@@ -168,7 +168,7 @@ def make_state(data: dict[str, torch.Tensor], device: torch.device) -> Batch:
     nvalchemi.data.Batch
         What ``BaseDynamics`` expects in ``self._state``.
     """
-    return _make_state_batch(data, device)
+    return make_state_batch(data, device)
 
 
 def free_atoms(batch: Batch) -> torch.Tensor:

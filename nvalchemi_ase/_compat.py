@@ -1,0 +1,180 @@
+"""Every private nvalchemi member this package touches, in one place.
+
+nvalchemi 0.3 offers no public way to drive an engine one ASE step at a time,
+to reuse a neighbour list it already built, or to hand an engine a state it
+made. The few private members that takes are wrapped here and nowhere else;
+:data:`PRIVATE_MEMBERS` lists each with the parameters it is called with, and
+``tests/test_compat.py`` checks them against the installed nvalchemi, so an
+upstream change (even in a 0.3.x patch release, which the ``<0.4`` pin lets
+in) fails one named test instead of a physics test.
+
+Subclass hooks that nvalchemi documents for writing a ``BaseDynamics`` (its
+"implementing a dynamics class" guide: ``_init_state``, ``_make_new_state``,
+``_sync_state_to_batch``, ``self._state``) are used by ``nvalchemi_ase.engines``
+as prescribed; they are listed here too so the same test watches them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from nvalchemi_ase._quiet import import_quietly
+
+if TYPE_CHECKING:
+    import torch
+    from nvalchemi.data import Batch
+    from nvalchemi.dynamics.base import BaseDynamics
+
+__all__ = [
+    "PRIVATE_MEMBERS",
+    "PrivateMember",
+    "close_hooks",
+    "eager_call",
+    "ensure_bookkeeping_fields",
+    "frozen_category",
+    "make_state_batch",
+    "neighbor_hook_reference",
+    "open_hooks",
+    "prime_engine",
+]
+
+
+class PrivateMember(NamedTuple):
+    """One private nvalchemi member and how this package uses it."""
+
+    module: str
+    owner: str  # class name, or "" for a module-level function
+    name: str
+    parameters: tuple[str, ...]  # positional parameters after self, in order
+    why: str
+
+
+PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_open_hooks",
+        (),
+        "enter context-manager hooks as run() does, without run()'s re-priming",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_close_hooks",
+        (),
+        "exit them again at the end of an ASE run",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_ensure_admission_initialized",
+        ("batch",),
+        "fire ON_ADMISSION once before ASE's initial evaluation",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_prime_forces",
+        ("batch", "active_graph_mask"),
+        "ASE's initial force evaluation (step 0) without a step",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "FusedStage",
+        "_ensure_bookkeeping_fields",
+        ("batch",),
+        "FusedStage's status columns before the first step (relax + MD)",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_init_state",
+        ("batch",),
+        "documented subclass hook: per-structure engine state",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_make_new_state",
+        ("n", "template_batch"),
+        "documented subclass hook: state for refilled structures",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_sync_state_to_batch",
+        ("remaining_indices", "n_new", "template_batch"),
+        "documented subclass hook: state after a refill",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops._bridge",
+        "",
+        "_make_state_batch",
+        ("system_data", "device"),
+        "the Batch an engine keeps its per-structure state in",
+    ),
+    PrivateMember(
+        "nvalchemi.data.level_storage",
+        "SegmentedLevelStorage",
+        "__init__",
+        (),
+        "build a Batch from stacked arrays in one pass (validate=False)",
+    ),
+)
+
+# Attributes (not callables) read or written; checked on live objects.
+PRIVATE_ATTRIBUTES = {
+    "BaseDynamics": ("_admission_initialized", "_forces_primed", "_state"),
+    "NeighborListHook": ("_ref_positions", "_alloc_N", "_alloc_B"),
+}
+
+
+def open_hooks(engine: BaseDynamics) -> None:
+    """Enter the engine's context-manager hooks (what ``run()`` does first)."""
+    engine._open_hooks()
+
+
+def close_hooks(engine: BaseDynamics) -> None:
+    """Exit the engine's context-manager hooks (what ``run()`` does last)."""
+    engine._close_hooks()
+
+
+def prime_engine(engine: BaseDynamics, batch: Batch) -> None:
+    """Admit ``batch`` and evaluate the model once, before any step.
+
+    ``ON_ADMISSION`` hooks fire, then ``BEFORE_COMPUTE`` → model →
+    ``AFTER_COMPUTE`` with ``step_count`` unchanged, exactly as the first
+    ``step()`` of ``run()`` would; the next ``step()`` then integrates without
+    a second evaluation.
+    """
+    engine._admission_initialized = False
+    engine._ensure_admission_initialized(batch)
+    engine._prime_forces(batch, engine.active_graph_mask(batch, engine.exit_status))
+    engine._forces_primed = True
+
+
+def ensure_bookkeeping_fields(engine: BaseDynamics, batch: Batch) -> None:
+    """Give ``batch`` the ``status`` (and per-stage counter) columns now."""
+    engine._ensure_bookkeeping_fields(batch)
+
+
+def eager_call(compiled: Any) -> Any:
+    """Return the original function behind a ``torch.compile``-wrapped method."""
+    return getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def neighbor_hook_reference(hook: Any) -> tuple[torch.Tensor | None, int, int]:
+    """Positions a ``NeighborListHook`` built its list at, and its sizes (V, B)."""
+    return hook._ref_positions, hook._alloc_N, hook._alloc_B
+
+
+def make_state_batch(data: dict[str, torch.Tensor], device: torch.device) -> Batch:
+    """Make the ``Batch`` an engine keeps per-structure state in (``_state``)."""
+    bridge = import_quietly("nvalchemi.dynamics._ops._bridge")
+    return bridge._make_state_batch(data, device)
+
+
+def frozen_category() -> int:
+    """Return the atom category nvalchemi freezes (``AtomCategory.SPECIAL``)."""
+    typing = import_quietly("nvalchemi._typing")
+    return int(typing.AtomCategory.SPECIAL.value)
