@@ -6,19 +6,21 @@ import argparse
 import glob
 import importlib.util
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "USER_ERRORS",
     "CommandError",
     "Source",
     "add_batching_options",
     "add_model_options",
-    "batches",
+    "add_overwrite_option",
     "build_calculator",
     "default_model_name",
+    "expand_inputs",
     "parse_model_spec",
     "positive_float",
     "positive_int",
@@ -28,7 +30,14 @@ __all__ = [
 
 
 class CommandError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+    """A user-facing error: printed as one line, exit status :attr:`exit_status`."""
+
+    #: Process exit status when this error ends a command.
+    exit_status = 2
+
+
+#: Errors reported as one line (with --debug, as a traceback).
+USER_ERRORS = (CommandError, ValueError, TypeError, OSError, ImportError, RuntimeError)
 
 
 @dataclass
@@ -84,21 +93,37 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_batching_options(parser: argparse.ArgumentParser) -> None:
-    """``--batch-size`` and ``--max-atoms``: inputs larger than memory go in chunks."""
+    """``--batch-size``, ``--max-atoms`` (both from memory by default), ``--quiet``."""
     parser.add_argument(
         "--batch-size",
         type=positive_int,
-        default=512,
-        help="largest number of structures in one batch (default: 512)",
+        default=None,
+        help="largest number of structures in one batch (default: as many as "
+        "fit in memory, at most 512)",
     )
     parser.add_argument(
         "--max-atoms",
         type=positive_int,
-        default=50_000,
-        help="largest number of atoms in one batch (default: 50000)",
+        default=None,
+        help="largest number of atoms in one batch (default: from memory: "
+        "batches are sized so that the model's estimated need stays below half "
+        "of the memory free on the device; a structure that cannot fit is "
+        "refused before any model call; giving a number replaces that check)",
     )
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar and no table"
+    )
+
+
+def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: replace an earlier run's outputs (once the new ones exist)."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace existing outputs (default: refuse to run if one exists); "
+        "outputs are written as NAME.partial.EXT as batches finish and renamed "
+        "to NAME.EXT only when the run completes, so an earlier output survives "
+        "a failed or interrupted run",
     )
 
 
@@ -176,12 +201,33 @@ def read_sources(patterns: Sequence[str]) -> list[Source]:
     CommandError
         Naming the file (missing, unreadable) or the frame (invalid structure).
     """
+    return read_paths(expand_inputs(patterns))
+
+
+def read_paths(paths: Sequence[str]) -> list[Source]:
+    """Every frame of files already expanded by :func:`expand_inputs`, validated.
+
+    Parameters
+    ----------
+    paths : sequence of str
+        Existing files, each optionally with ``@slice``.
+
+    Returns
+    -------
+    list of Source
+        In input order.
+
+    Raises
+    ------
+    CommandError
+        Naming the file (unreadable) or the frame (invalid structure).
+    """
     from ase.io import read
 
     from nvalchemi_ase.convert import StructureError, check_images
 
     sources: list[Source] = []
-    for path in _expand(patterns):
+    for path in paths:
         name, _, index = path.partition("@")
         try:
             frames = read(name, index=index or ":")
@@ -191,7 +237,8 @@ def read_sources(patterns: Sequence[str]) -> list[Source]:
                 "file ase.io.read understands (extxyz, traj, cif, POSCAR, ...)"
             ) from error
         frames = frames if isinstance(frames, list) else [frames]
-        sources.extend(Source(name, k, atoms) for k, atoms in enumerate(frames))
+        numbers = _frame_numbers(name, index, len(frames))
+        sources.extend(Source(name, k, a) for k, a in zip(numbers, frames, strict=True))
     if not sources:
         raise CommandError("no structures in the input files")
     try:
@@ -203,7 +250,43 @@ def read_sources(patterns: Sequence[str]) -> list[Source]:
     return sources
 
 
-def _expand(patterns: Sequence[str]) -> list[str]:
+def _frame_numbers(name: str, index: str, count: int) -> list[int]:
+    """Frame numbers in the file of the ``count`` frames ``name@index`` selected."""
+    from ase.io.formats import string2index
+
+    selection = string2index(index or ":")
+    if isinstance(selection, slice):
+        start, step = selection.start or 0, selection.step or 1
+        if start >= 0 and step > 0:
+            return [start + k * step for k in range(count)]
+    else:
+        selection = slice(selection, None if selection == -1 else selection + 1)
+        if selection.start >= 0:
+            return [selection.start]
+    from ase.io import read
+
+    total = len(read(name, index=":"))  # negative indices: count the frames
+    return list(range(total)[selection])[:count]
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Input files named by ``patterns``, globs expanded, each checked to exist.
+
+    Parameters
+    ----------
+    patterns : sequence of str
+        File names or glob patterns, each optionally with ``@slice``.
+
+    Returns
+    -------
+    list of str
+        One entry per file (sorted within a glob), ``@slice`` kept.
+
+    Raises
+    ------
+    CommandError
+        For a pattern matching nothing or a missing file.
+    """
     paths: list[str] = []
     for pattern in patterns:
         name = pattern.partition("@")[0]
@@ -216,31 +299,6 @@ def _expand(patterns: Sequence[str]) -> list[str]:
             suffix = pattern[len(name) :]
             paths.append(match + suffix)
     return paths
-
-
-def batches(
-    sources: Sequence[Source], max_structures: int, max_atoms: int
-) -> Iterator[list[tuple[int, Source]]]:
-    """Split the inputs into consecutive chunks within both budgets, order kept.
-
-    Yields
-    ------
-    list of (int, Source)
-        Global index and source of each structure in the chunk.
-    """
-    chunk: list[tuple[int, Source]] = []
-    atoms_in_chunk = 0
-    for index, source in enumerate(sources):
-        size = len(source.atoms)
-        if chunk and (
-            len(chunk) >= max_structures or atoms_in_chunk + size > max_atoms
-        ):
-            yield chunk
-            chunk, atoms_in_chunk = [], 0
-        chunk.append((index, source))
-        atoms_in_chunk += size
-    if chunk:
-        yield chunk
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from nvalchemi_ase import __version__
-from nvalchemi_ase.cli.common import CommandError
+from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
 
-# Errors reported as one line (with --debug, as a traceback).
-_USER_ERRORS = (CommandError, ValueError, TypeError, OSError, ImportError, RuntimeError)
+#: Exit status after Ctrl-C outside a batch (128 + SIGINT).
+_INTERRUPTED = 130
 
 # (name, module, one-line help)
 _COMMANDS = (
@@ -94,9 +94,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return int(module.run(args))
-    except _USER_ERRORS as error:
+    except KeyboardInterrupt:
         if args.debug:
             raise
+        state = getattr(args, "run_state", None)  # set by commands that run batches
+        message = "interrupted" if state is None else str(state.interrupted())
+        _print_error(args.command, message)
+        return _INTERRUPTED
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        status = getattr(error, "exit_status", CommandError.exit_status)
         message = " ".join(str(error).split())  # one line, whatever the source
-        print(f"nvalchemi-ase {args.command}: error: {message}", file=sys.stderr)  # noqa: T201
-        return 2
+        prefix = "" if status == _INTERRUPTED else "error: "
+        _print_error(args.command, prefix + message)
+        return status
+
+
+def _print_error(command: str, message: str) -> None:
+    print(f"nvalchemi-ase {command}: {message}", file=sys.stderr)  # noqa: T201
