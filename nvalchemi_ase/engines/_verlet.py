@@ -3,9 +3,14 @@
 One step, split around the force evaluation as nvalchemi's integrators are::
 
     pre_update:   thermostat (before kick) → v += ½ dt F/m → thermostat (before
-                  drift) → x += dt v
+                  drift) → x += dt v → barostat (after drift: positions, cell)
     [model evaluates F(x(t + dt))]
     post_update:  v += ½ dt F/m → thermostat (after kick)
+
+A new integrator overrides only the stages it acts at (``before_first_kick``,
+``before_drift``, ``after_drift``, ``after_second_kick``) and declares its
+per-structure parameters in ``state_parameters`` (see
+:class:`CoupledThermostatVerlet`).
 
 Frozen atoms (``atom_categories == -1``) get no kick, no drift and zero
 velocity here, whether or not ``FreezeAtomsHook`` also runs.
@@ -13,7 +18,9 @@ velocity here, whether or not ``FreezeAtomsHook`` also runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
@@ -37,7 +44,35 @@ if TYPE_CHECKING:
     from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["CoupledThermostatVerlet", "ThermostattedVerlet"]
+__all__ = ["CoupledThermostatVerlet", "StateParameter", "ThermostattedVerlet"]
+
+
+@dataclass(frozen=True)
+class StateParameter:
+    """A per-structure engine parameter, declared on the engine class.
+
+    Attributes
+    ----------
+    name : str
+        Constructor argument (a scalar or one value per structure).
+    unit : str
+        Its unit as the engine takes it (``"K"``, ``"fs"``, ...), for messages.
+    field : str
+        Name of the per-structure field in ``self._state``.
+    to_state : callable
+        Converts the [B] tensor of values into the state field.
+    minimum : float
+        Smallest allowed value.
+    strict : bool
+        Whether ``minimum`` itself is excluded.
+    """
+
+    name: str
+    unit: str
+    field: str
+    to_state: Callable[[torch.Tensor], torch.Tensor]
+    minimum: float = 0.0
+    strict: bool = False
 
 
 class ThermostattedVerlet(BaseDynamics):
@@ -133,6 +168,7 @@ class ThermostattedVerlet(BaseDynamics):
             velocities = batch.velocities
             velocities.copy_(torch.where(free, velocities, 0.0))
             batch.positions.add_(self._dt_internal * velocities)
+            self.after_drift(batch, free)
 
     def post_update(self, batch: Batch) -> None:
         """Second half kick with the new forces, then the thermostat.
@@ -181,6 +217,23 @@ class ThermostattedVerlet(BaseDynamics):
         ----------
         batch : Batch
             The batch; ``velocities`` may be changed in place.
+        free : torch.Tensor, shape [V, 1] bool
+            Atoms that are not frozen.
+        """
+
+    def after_drift(self, batch: Batch, free: torch.Tensor) -> None:
+        """Act on positions and the cell after the drift (default: nothing).
+
+        The place for a barostat: positions and ``cell`` [B, 3, 3] may be
+        scaled in place here, before the model evaluates the new forces (and
+        stress). An engine that changes the cell adds ``"cell"`` to
+        ``__provides_keys__`` and ``"stress"`` to ``__needs_keys__``, which
+        also tells the ASE layer that cells move.
+
+        Parameters
+        ----------
+        batch : Batch
+            The batch; ``positions`` and ``cell`` may be changed in place.
         free : torch.Tensor, shape [V, 1] bool
             Atoms that are not frozen.
         """
@@ -255,7 +308,10 @@ class CoupledThermostatVerlet(ThermostattedVerlet):
 
     Holds what Berendsen and Bussi share: a target temperature and a coupling
     time, each a scalar or one per structure, kept per structure in
-    ``self._state`` as ``kT`` [B] eV and ``taut`` [B] ASE time units.
+    ``self._state`` as ``kT`` [B] eV and ``taut`` [B] ASE time units. Both are
+    declared in :attr:`state_parameters`; a subclass with further
+    per-structure parameters extends that tuple and takes them as keyword
+    arguments.
 
     Parameters
     ----------
@@ -271,6 +327,12 @@ class CoupledThermostatVerlet(ThermostattedVerlet):
         Passed to :class:`ThermostattedVerlet`.
     """
 
+    #: Per-structure parameters: constructor argument → state field.
+    state_parameters: ClassVar[tuple[StateParameter, ...]] = (
+        StateParameter("temperature", "K", "kT", thermal_energy_nvalchemi),
+        StateParameter("taut", "fs", "taut", fs_to_ase_time, strict=True),
+    )
+
     def __init__(
         self,
         model: BaseModelMixin,
@@ -279,9 +341,23 @@ class CoupledThermostatVerlet(ThermostattedVerlet):
         taut: ParameterValue,
         **kwargs: Any,
     ) -> None:
+        given = {"temperature": temperature, "taut": taut}
+        for parameter in self.state_parameters:
+            if parameter.name not in given and parameter.name in kwargs:
+                given[parameter.name] = kwargs.pop(parameter.name)
         super().__init__(model, dt, **kwargs)
-        self._temperature = check_parameter("temperature", temperature, minimum=0.0)
-        self._taut = check_parameter("taut", taut, minimum=0.0, strict=True)
+        self._parameters: dict[str, ParameterValue] = {}
+        for parameter in self.state_parameters:
+            if parameter.name not in given:
+                raise TypeError(
+                    f"{type(self).__name__} needs {parameter.name} ({parameter.unit})"
+                )
+            self._parameters[parameter.name] = check_parameter(
+                parameter.name,
+                given[parameter.name],
+                minimum=parameter.minimum,
+                strict=parameter.strict,
+            )
 
     def _init_state(self, batch: Batch) -> None:
         self._state = self._new_state(batch.num_graphs, batch)
@@ -291,13 +367,17 @@ class CoupledThermostatVerlet(ThermostattedVerlet):
 
     def _new_state(self, count: int, template: Batch) -> Batch:
         device, dtype = template.device, template.positions.dtype
-        temperature = to_per_system(
-            "temperature", self._temperature, count, device, dtype
-        )
-        taut = to_per_system("taut", self._taut, count, device, dtype)
         fields = {
-            "kT": thermal_energy_nvalchemi(temperature),
-            "taut": fs_to_ase_time(taut),
+            parameter.field: parameter.to_state(
+                to_per_system(
+                    parameter.name,
+                    self._parameters[parameter.name],
+                    count,
+                    device,
+                    dtype,
+                )
+            )
+            for parameter in self.state_parameters
         }
         fields.update(self._extra_state(count, device, dtype))
         return make_state(fields, device)

@@ -9,8 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.langevin import resolve_seed
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.md.md import BatchedMolecularDynamics, resolve_seed
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["Bussi"]

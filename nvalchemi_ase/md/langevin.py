@@ -8,37 +8,13 @@ from typing import Any
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.md.md import BatchedMolecularDynamics, resolve_seed
 from nvalchemi_ase.units import (
     ase_rate_to_per_fs,
     ase_time_to_fs,
 )
 
-__all__ = ["Langevin", "resolve_seed"]
-
-
-def resolve_seed(seed: int | None, rng: Any) -> int:
-    """Return the integer seed nvalchemi's stochastic engines take.
-
-    Parameters
-    ----------
-    seed : int or None
-        Explicit seed (reproducible runs).
-    rng : numpy.random.Generator or RandomState or None
-        ASE-style random generator; a seed is drawn from it.
-
-    Returns
-    -------
-    int
-        ``seed``, a draw from ``rng``, or a fresh random seed.
-    """
-    if seed is not None and rng is not None:
-        raise ValueError("give either seed or rng, not both")
-    if seed is not None:
-        return int(seed)
-    source = rng if rng is not None else np.random.default_rng()
-    draw = getattr(source, "integers", None) or getattr(source, "randint")  # noqa: B009
-    return int(draw(0, 2**31 - 1))
+__all__ = ["Langevin", "resolve_seed"]  # resolve_seed: kept importable here
 
 
 class Langevin(BatchedMolecularDynamics):

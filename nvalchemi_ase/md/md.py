@@ -21,7 +21,31 @@ from nvalchemi_ase.dynamics.logs import (
 )
 from nvalchemi_ase.units import temperature_K_to_nvalchemi
 
-__all__ = ["BatchedMolecularDynamics"]
+__all__ = ["BatchedMolecularDynamics", "resolve_seed"]
+
+
+def resolve_seed(seed: int | None, rng: Any) -> int:
+    """Return the integer seed nvalchemi's stochastic engines take.
+
+    Parameters
+    ----------
+    seed : int or None
+        Explicit seed (reproducible runs).
+    rng : numpy.random.Generator or RandomState or None
+        ASE-style random generator; a seed is drawn from it.
+
+    Returns
+    -------
+    int
+        ``seed``, a draw from ``rng``, or a fresh random seed.
+    """
+    if seed is not None and rng is not None:
+        raise ValueError("give either seed or rng, not both")
+    if seed is not None:
+        return int(seed)
+    source = rng if rng is not None else np.random.default_rng()
+    draw = getattr(source, "integers", None) or getattr(source, "randint")  # noqa: B009
+    return int(draw(0, 2**31 - 1))
 
 
 class BatchedMolecularDynamics(BatchedDynamics):
