@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from nvalchemi_ase.convert import update_atoms as update_atoms
     from nvalchemi_ase.models import available_models as available_models
     from nvalchemi_ase.models import load_model as load_model
+    from nvalchemi_ase.runners import irelax as irelax
+    from nvalchemi_ase.runners import read_results as read_results
+    from nvalchemi_ase.runners import relax as relax
+    from nvalchemi_ase.runners import single_points as single_points
 
 _EXPORTS = {
     "NVAlchemiCalculator": "nvalchemi_ase.calculator",
@@ -31,6 +35,10 @@ _EXPORTS = {
     "update_atoms": "nvalchemi_ase.convert",
     "available_models": "nvalchemi_ase.models",
     "load_model": "nvalchemi_ase.models",
+    "irelax": "nvalchemi_ase.runners",
+    "read_results": "nvalchemi_ase.runners",
+    "relax": "nvalchemi_ase.runners",
+    "single_points": "nvalchemi_ase.runners",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PRIVATE_MEMBERS",
     "PrivateMember",
+    "carry_engine_state",
     "close_hooks",
     "eager_call",
     "ensure_bookkeeping_fields",
@@ -178,3 +179,26 @@ def frozen_category() -> int:
     """Return the atom category nvalchemi freezes (``AtomCategory.SPECIAL``)."""
     typing = import_quietly("nvalchemi._typing")
     return int(typing.AtomCategory.SPECIAL.value)
+
+
+def carry_engine_state(
+    old: BaseDynamics,
+    new: BaseDynamics,
+    remaining: torch.Tensor,
+    n_new: int,
+    template_batch: Batch,
+) -> None:
+    """Hand ``new`` the per-structure state of ``old`` after a refill.
+
+    ``old._sync_state_to_batch`` (what nvalchemi's ``refill_check`` calls) keeps
+    the rows of the ``remaining`` structures, in order, and appends
+    ``_make_new_state`` rows for ``n_new`` structures admitted after them in
+    ``template_batch``; the result becomes ``new._state``, so ``new`` never
+    initialises fresh state for the survivors. ``old`` must not be stepped
+    again. Nothing is carried when ``old`` never built state.
+    """
+    if not hasattr(old, "_state"):
+        return
+    old._sync_state_to_batch(remaining, n_new, template_batch)
+    if hasattr(old, "_state"):
+        new._state = old._state

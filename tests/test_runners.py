@@ -1,0 +1,423 @@
+"""High-throughput runners: bounded working batch, refills, streaming, resume.
+
+References are independent runs of the same optimizer class on each structure
+alone; in float64 the in-flight path must end where that run ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+from ase import Atoms
+from ase.build import bulk, fcc111
+from ase.constraints import FixBondLength
+from ase.io import iread, write
+
+from nvalchemi_ase import NVAlchemiCalculator, optimize
+from nvalchemi_ase.runners import (
+    Budget,
+    failed_path,
+    irelax,
+    read_results,
+    relax,
+    single_points,
+)
+
+# Same engine, same structure, same float64 model: round-off only.
+PATH_ATOL = 1e-8
+FMAX = 0.02
+A_AR = 5.26
+
+
+@pytest.fixture(scope="module")
+def calc():
+    return NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+
+
+def _bulk(rng: np.random.Generator, largest: int = 100) -> Atoms:
+    """Primitive fcc argon, 1-``largest`` atoms, randomly strained and rattled."""
+    while True:
+        repeat = rng.integers(1, 6, size=3)
+        if repeat.prod() <= largest:
+            break
+    atoms = bulk("Ar", "fcc", a=A_AR) * tuple(int(r) for r in repeat)
+    strain = np.eye(3) + rng.uniform(-0.03, 0.03, (3, 3))
+    atoms.set_cell(atoms.cell.array @ strain, scale_atoms=True)
+    atoms.rattle(rng.uniform(0.02, 0.12), seed=int(rng.integers(1 << 30)))
+    return atoms
+
+
+def _molecule(rng: np.random.Generator, largest: int = 100) -> Atoms:
+    """A compact, rattled argon cluster of 2-6 atoms, no cell."""
+    count = int(rng.integers(2, 7))
+    base = np.array(
+        [
+            [0, 0, 0],
+            [3.8, 0, 0],
+            [1.9, 3.3, 0],
+            [1.9, 1.1, 3.1],
+            [5.7, 3.3, 0],
+            [-1.9, 3.3, 0],
+        ]
+    )[:count]
+    atoms = Atoms(f"Ar{count}", positions=base, pbc=False)
+    atoms.rattle(0.1, seed=int(rng.integers(1 << 30)))
+    return atoms
+
+
+def _slab(rng: np.random.Generator, largest: int = 100) -> Atoms:
+    """A rattled fcc(111) slab, pbc (T, T, F) without a third vector."""
+    size = (int(rng.integers(2, 4)), int(rng.integers(2, 4)), 2)
+    atoms = fcc111("Ar", size=size, a=A_AR, vacuum=None)
+    atoms.pbc = (True, True, False)
+    atoms.info.pop("adsorbate_info", None)
+    atoms.rattle(0.08, seed=int(rng.integers(1 << 30)))
+    return atoms
+
+
+def mixed(count: int, seed: int = 0, largest: int = 100) -> list[Atoms]:
+    """``count`` molecules, slabs and bulk cells (1-``largest`` atoms)."""
+    rng = np.random.default_rng(seed)
+    makers = (_bulk, _molecule, _bulk, _slab)
+    return [makers[index % len(makers)](rng, largest) for index in range(count)]
+
+
+def _alone(
+    atoms: Atoms, calc, optimizer: str, steps: int = 1000, fmax: float = FMAX
+) -> tuple:
+    copy = atoms.copy()
+    copy.calc = calc
+    opt = getattr(optimize, optimizer)(copy, logfile=None)
+    opt.run(fmax=fmax, steps=steps)
+    return copy, int(opt.converged_at_step[0])
+
+
+def _snapshot(images: list[Atoms]) -> list[tuple]:
+    return [(a.positions.copy(), a.cell.array.copy(), a.calc) for a in images]
+
+
+class Counting:
+    """Wraps an iterable; counts how many items were pulled."""
+
+    def __init__(self, items):
+        self._items = iter(items)
+        self.pulled = 0
+
+    def __iter__(self):
+        for item in self._items:
+            self.pulled += 1
+            yield item
+
+
+@pytest.mark.parametrize(
+    "largest",
+    [30, pytest.param(100, marks=pytest.mark.slow)],
+    ids=["up-to-30-atoms", "up-to-100-atoms"],
+)
+def test_many_mixed_structures_refilled_each_end_as_alone(calc, largest):
+    images = mixed(64, largest=largest)
+    before = _snapshot(images)
+    stream = Counting(images)
+    in_flight = []
+    by_index = {}
+    for index, atoms in irelax(
+        stream, calc, optimizer="MDMin", fmax=FMAX, max_atoms=largest + 60
+    ):
+        by_index[index] = atoms
+        in_flight.append(stream.pulled - len(by_index))
+        assert atoms.info["failure"] is None
+        assert atoms.info["converged"] is True
+    assert sorted(by_index) == list(range(64))
+    assert list(by_index) != sorted(by_index)  # finish order, not input order
+    assert max(in_flight) < 40  # bounded working batch (one read ahead)
+    worst = 0.0
+    for index, atoms in enumerate(images):
+        result = by_index[index]
+        expected, steps = _alone(atoms, calc, "MDMin")
+        assert result.info["steps"] == steps
+        worst = max(worst, float(np.abs(result.positions - expected.positions).max()))
+        assert result.get_potential_energy() == pytest.approx(
+            expected.get_potential_energy(), abs=1e-10
+        )
+        assert np.linalg.norm(result.get_forces(), axis=1).max() < FMAX
+    assert worst < PATH_ATOL
+    for atoms, (positions, cell, old_calc) in zip(images, before, strict=True):
+        assert np.array_equal(atoms.positions, positions)
+        assert np.array_equal(atoms.cell.array, cell)
+        assert atoms.calc is old_calc
+    assert len({r.info["steps"] for r in by_index.values()}) > 5  # steps vary
+
+
+@pytest.mark.parametrize("optimizer", ["BFGS", "MDMin"])
+def test_exact_optimizers_follow_their_alone_path_in_flight(calc, optimizer):
+    images = mixed(10, seed=1, largest=30)
+    results = relax(images, calc, optimizer=optimizer, fmax=FMAX, max_atoms=50)
+    for atoms, result in zip(images, results, strict=True):
+        expected, steps = _alone(atoms, calc, optimizer)
+        np.testing.assert_allclose(
+            result.positions, expected.positions, atol=PATH_ATOL, rtol=0
+        )
+        assert result.info["steps"] == steps
+
+
+@pytest.mark.parametrize("optimizer", ["FIRE", "FIRE2", "LBFGS"])
+def test_nvalchemi_optimizers_reach_their_alone_minimum_in_flight(calc, optimizer):
+    # nvalchemi's kernels reduce per structure with atomics, so a batched path
+    # can differ from the lone one by round-off amplified at FIRE's resets
+    # (FIRE2: ~1e-5 Å for one structure of a plain 5-structure batch, without
+    # any refill); minima agree.
+    images = mixed(10, seed=1, largest=30)
+    results = relax(images, calc, optimizer=optimizer, fmax=FMAX, max_atoms=50)
+    for atoms, result in zip(images, results, strict=True):
+        expected, _ = _alone(atoms, calc, optimizer)
+        assert result.info["converged"] is True
+        assert result.get_potential_energy() == pytest.approx(
+            expected.get_potential_energy(), abs=1e-6
+        )
+
+
+def test_optimizer_class_and_its_arguments_are_accepted(calc):
+    images = mixed(4, seed=2, largest=30)
+    results = relax(images, calc, optimizer=optimize.MDMin, dt=0.1, fmax=FMAX)
+    for atoms, result in zip(images, results, strict=True):
+        copy = atoms.copy()
+        copy.calc = calc
+        optimize.MDMin(copy, logfile=None, dt=0.1).run(fmax=FMAX)
+        np.testing.assert_allclose(result.positions, copy.positions, atol=PATH_ATOL)
+
+
+def test_step_limit_is_per_structure_and_reported(calc):
+    images = mixed(8, seed=3, largest=30)
+    results = relax(images, calc, optimizer="BFGS", fmax=1e-4, steps=7, max_atoms=50)
+    for atoms, result in zip(images, results, strict=True):
+        expected, steps = _alone(atoms, calc, "BFGS", steps=7, fmax=1e-4)
+        np.testing.assert_allclose(
+            result.positions, expected.positions, atol=PATH_ATOL, rtol=0
+        )
+        assert result.info["converged"] is (steps >= 0)
+        assert result.info["steps"] == (steps if steps >= 0 else 7)
+
+
+def _poison_size(model, natoms: int, after: int):
+    """NaN forces for every graph of ``natoms`` atoms from its ``after``-th call on."""
+    original = model.forward
+    seen = {"n": 0}
+
+    def forward(batch, *args, **kwargs):
+        outputs = original(batch, *args, **kwargs)
+        counts = batch.num_nodes_per_graph
+        if bool((counts == natoms).any()):
+            seen["n"] += 1
+            if seen["n"] >= after:
+                rows = counts[batch.batch_idx.long()] == natoms
+                forces = outputs["forces"].clone()
+                forces[rows] = float("nan")
+                outputs["forces"] = forces
+        return outputs
+
+    model.forward = forward
+    return lambda: model.__dict__.pop("forward", None)
+
+
+def test_structure_exploding_mid_run_fails_alone_and_its_slot_is_refilled():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = [a for a in mixed(24, seed=4, largest=40) if len(a) != 7]
+    bad = bulk("Ar", "fcc", a=A_AR) * (7, 1, 1)
+    bad.rattle(0.1, seed=9)
+    images.insert(3, bad)
+    stream = Counting(images)
+    undo = _poison_size(calc.model, 7, after=4)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # failures are results, not warnings
+            outcome = []
+            for index, atoms in irelax(
+                stream, calc, optimizer="MDMin", fmax=FMAX, max_atoms=60
+            ):
+                outcome.append((index, atoms, stream.pulled))
+    finally:
+        undo()
+    by_index = {index: atoms for index, atoms, _ in outcome}
+    assert sorted(by_index) == list(range(len(images)))
+    failed = by_index[3]
+    assert "non-finite" in failed.info["failure"]
+    assert failed.info["converged"] is False
+    assert failed.info["steps"] >= 2
+    assert np.isfinite(failed.positions).all()
+    pulled_at_failure = next(p for i, _, p in outcome if i == 3)
+    assert pulled_at_failure < len(images)  # others were admitted after it
+    others = [i for i in by_index if i != 3]
+    assert all(by_index[i].info["converged"] for i in others)
+    clean = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    for index in others[:6]:
+        expected, _ = _alone(images[index], clean, "MDMin")
+        np.testing.assert_allclose(
+            by_index[index].positions, expected.positions, atol=PATH_ATOL, rtol=0
+        )
+
+
+def test_too_large_or_unsupported_structures_fail_with_a_reason(calc):
+    images = mixed(5, seed=5, largest=40)
+    images.insert(1, bulk("Ar", "fcc", a=A_AR) * (5, 5, 4))  # 100 atoms
+    dimer = Atoms("Ar2", positions=[[0, 0, 0], [3.9, 0, 0]])
+    dimer.set_constraint(FixBondLength(0, 1))
+    images.insert(4, dimer)
+    results = relax(images, calc, optimizer="FIRE2", fmax=FMAX, max_atoms=60)
+    assert "max_atoms=60" in results[1].info["failure"]
+    assert "FixBondLength" in results[4].info["failure"]
+    assert all(
+        r.info["failure"] is None for i, r in enumerate(results) if i not in (1, 4)
+    )
+
+
+def test_memory_budget_is_the_default_and_refuses_what_does_not_fit(calc):
+    budget = Budget.for_calculator(calc, None, None)
+    assert budget.max_bytes is not None
+    assert budget.max_atoms is None
+    tiny = Budget(max_bytes=1e6, estimate=budget.estimate, cutoff=budget.cutoff)
+    assert tiny.refusal(tiny.cost(bulk("Ar", "fcc", a=A_AR) * (5, 5, 4)))
+    assert tiny.refusal(tiny.cost(bulk("Ar", "fcc", a=A_AR))) is None
+
+
+def test_generator_over_an_extxyz_runs_with_a_bounded_batch(calc, tmp_path):
+    path = tmp_path / "many.extxyz"
+    frames = []
+    for seed in range(40):
+        atoms = bulk("Ar", "fcc", a=A_AR) * (2, 2, 1)
+        atoms.rattle(0.03 + 0.003 * seed, seed=seed)
+        frames.append(atoms)
+    write(path, frames, format="extxyz")
+    stream = Counting(iread(path, index=":"))
+    largest = 0
+    count = 0
+    for count, (_, atoms) in enumerate(
+        irelax(stream, calc, optimizer="MDMin", fmax=FMAX, max_atoms=24), start=1
+    ):
+        largest = max(largest, stream.pulled - count)
+        assert atoms.info["converged"]
+    assert count == 40
+    assert largest <= 24 // 4 + 1  # six 4-atom structures in flight, one read ahead
+
+
+def test_streamed_output_resumes_to_the_uninterrupted_content(calc, tmp_path):
+    images = mixed(16, seed=6, largest=40)
+    images.insert(5, bulk("Ar", "fcc", a=A_AR) * (5, 5, 4))  # refused: too large
+    full = tmp_path / "full.extxyz"
+    relax(images, calc, optimizer="MDMin", fmax=FMAX, max_atoms=80, output=full)
+    part = tmp_path / "part.extxyz"
+    run = irelax(images, calc, optimizer="MDMin", fmax=FMAX, max_atoms=80, output=part)
+    first = list(itertools.islice(run, 7))
+    run.close()
+    assert len(read_results(part)) == 7
+    assert {i for i, _ in first} == {int(a.info["index"]) for a in read_results(part)}
+    resumed = relax(
+        images,
+        calc,
+        optimizer="MDMin",
+        fmax=FMAX,
+        max_atoms=80,
+        output=part,
+        resume=True,
+    )
+    assert [int(a.info["index"]) for a in resumed] == list(range(len(images)))
+    expected, got = read_results(full), read_results(part)
+    assert [int(a.info["index"]) for a in got] == list(range(len(images)))
+    assert failed_path(part).exists()
+    for want, have in zip(expected, got, strict=True):
+        assert have.info["failure"] == want.info["failure"]
+        assert have.info["steps"] == want.info["steps"]
+        np.testing.assert_allclose(have.positions, want.positions, atol=1e-8)
+        if want.info["failure"] is None:
+            assert have.get_potential_energy() == pytest.approx(
+                want.get_potential_energy(), abs=1e-10
+            )
+    assert "max_atoms" in got[5].info["failure"]
+
+
+def test_single_points_in_chunks_equal_one_batched_call(calc, tmp_path):
+    images = mixed(12, seed=7, largest=40)
+    images.append(bulk("Ar", "fcc", a=A_AR) * (5, 5, 4))
+    output = tmp_path / "sp.extxyz"
+    results = single_points(images, calc, max_atoms=60, output=output)
+    reference = calc.calculate_batch(images[:-1], ["energy", "forces"])
+    for result, want in zip(results[:-1], reference, strict=True):
+        assert result.get_potential_energy() == pytest.approx(want["energy"], abs=1e-10)
+        np.testing.assert_allclose(result.get_forces(), want["forces"], atol=1e-10)
+    assert "max_atoms=60" in results[-1].info["failure"]
+    assert [int(a.info["index"]) for a in read_results(output)] == list(range(13))
+
+
+def test_bad_arguments_are_refused(calc):
+    with pytest.raises(ValueError, match="optimizer"):
+        relax(mixed(1), calc, optimizer="GPMin")
+    with pytest.raises(TypeError, match="optimizer"):
+        relax(mixed(1), calc, optimizer=dict)
+    with pytest.raises(ValueError, match="max_atoms"):
+        relax(mixed(1), calc, max_atoms=0)
+    with pytest.raises(ValueError, match="fmax"):
+        relax(mixed(1), calc, fmax=0)
+
+
+def test_md_runs_every_structure_its_steps_in_chunks_as_alone(calc, tmp_path):
+    from ase import units
+
+    from nvalchemi_ase.md import VelocityVerlet
+    from nvalchemi_ase.runners import md
+
+    images = mixed(9, seed=8, largest=30)
+    for seed, atoms in enumerate(images):
+        rng = np.random.default_rng(seed)
+        atoms.set_momenta(rng.normal(0.0, 0.3, (len(atoms), 3)))
+    before = _snapshot(images)
+    output = tmp_path / "md.extxyz"
+    results = md(
+        images,
+        calc,
+        dynamics="VelocityVerlet",
+        timestep=2 * units.fs,
+        steps=10,
+        max_atoms=40,
+        output=output,
+    )
+    assert [int(a.info["index"]) for a in results] == list(range(9))
+    for atoms, result in zip(images, results, strict=True):
+        copy = atoms.copy()
+        copy.calc = calc
+        VelocityVerlet(copy, 2 * units.fs, logfile=None).run(10)
+        np.testing.assert_allclose(result.positions, copy.positions, atol=1e-10)
+        np.testing.assert_allclose(result.get_momenta(), copy.get_momenta(), atol=1e-10)
+        assert result.info["failure"] is None
+    for atoms, (positions, _, _) in zip(images, before, strict=True):
+        assert np.array_equal(atoms.positions, positions)
+    assert len(read_results(output)) == 9
+    langevin = md(
+        images[:3],
+        calc,
+        timestep=2 * units.fs,
+        steps=5,
+        temperature_K=50.0,
+        friction=0.01 / units.fs,
+        seed=1,
+    )
+    assert all(np.isfinite(a.positions).all() for a in langevin)
+
+
+def test_resume_drops_a_frame_cut_off_mid_write_and_refuses_silent_overwrite(
+    calc, tmp_path
+):
+    images = mixed(6, seed=9, largest=20)
+    output = tmp_path / "cut.extxyz"
+    first = list(
+        itertools.islice(irelax(images, calc, optimizer="MDMin", output=output), 3)
+    )
+    text = output.read_text()
+    output.write_text(text[: len(text) - 40])  # the last frame loses its tail
+    with pytest.raises(FileExistsError, match="resume=True"):
+        relax(images, calc, optimizer="MDMin", output=output)
+    results = relax(images, calc, optimizer="MDMin", output=output, resume=True)
+    assert [int(a.info["index"]) for a in results] == list(range(6))
+    assert sorted(int(a.info["index"]) for a in read_results(output)) == list(range(6))
+    assert len(first) == 3
