@@ -1,20 +1,131 @@
 """Constant-pressure MD on nvalchemi's MTK engines.
 
 ``IsotropicMTKNPT``, ``MTKNPT`` and ``NPH``.
+
+The engines are nvalchemi 0.3's ``NPT`` and ``NPH``, subclassed here for two
+things only (:func:`_engine_classes`):
+
+* **Chains of length 1.** nvalchemiops 0.5's NHC kernel
+  (``_npt_thermostat_chain_update_kernel``) reads ``eta_dot[s, 1]`` whatever
+  the chain length. With ``chain_length=1`` that is one element past the end of
+  structure s's row of the ``[B, 1]`` chain velocities: the next structure's
+  chain velocity, or, for the last structure, the heap just past the end of
+  the tensor. When those happen to hold 0 the step is what nvalchemi means; when
+  they hold anything else the first step can already be NaN (most fresh
+  processes on the CPU), and in a batch the structures' thermostats are
+  coupled. The chain velocities of both chains (particles and cell) are
+  therefore given a zero column the kernel can read and never writes: the
+  engine's ``[B, 1]`` tensor becomes a view of a ``[B, 2]`` zero buffer. Runs
+  that were finite before are unchanged bit for bit.
+* **Deprecation warnings.** nvalchemi 0.3 passes ``cells_inv`` and ``volumes``
+  to nvalchemiops 0.5 kernels that deprecated them, one ``DeprecationWarning``
+  per kernel call; the integrator's half steps run with those two warnings
+  ignored, under :func:`warnings.catch_warnings` (the process's filters are
+  left as they were).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, ClassVar
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.images import integer_argument
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.typing import ImagesLike
 from nvalchemi_ase.units import ase_time_to_fs
 
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+
 __all__ = ["MTKNPT", "NPH", "IsotropicMTKNPT"]
+
+#: Messages of the nvalchemiops deprecations nvalchemi 0.3's NPT/NPH trigger.
+_DEPRECATED_ARGUMENTS = ("'cells_inv' is deprecated", "'volumes' is deprecated")
+
+#: The engine's NHC chain-velocity tensors, ``[B, chain_length]``.
+_CHAIN_VELOCITIES = ("nhc_eta_dot", "nhc_b_eta_dot")
+
+
+@contextlib.contextmanager
+def _deprecated_arguments_ignored() -> Iterator[None]:
+    """Ignore nvalchemiops' ``cells_inv``/``volumes`` deprecations in the block."""
+    with warnings.catch_warnings():
+        for message in _DEPRECATED_ARGUMENTS:
+            warnings.filterwarnings(
+                "ignore",
+                message=message,
+                category=DeprecationWarning,
+                module=r"nvalchemiops\.",
+            )
+        yield
+
+
+def _pad_chain_velocities(state: Batch, chain_length: int) -> None:
+    """Give length-1 NHC chain velocities the zero column the kernel reads.
+
+    nvalchemiops' ``_npt_thermostat_chain_update_kernel`` scales the first link
+    by ``exp(-dt/4 * eta_dot[s, 1])`` for every chain length; with one link that
+    index is out of bounds. Each ``[B, 1]`` chain-velocity tensor of ``state``
+    is replaced by the first column of a ``[B, 2]`` buffer whose second column
+    is zero (Warp indexes the view through its strides, so ``eta_dot[s, 1]``
+    reads that zero; no kernel writes it). Idempotent; a no-op for longer
+    chains, which the kernel indexes correctly.
+
+    Parameters
+    ----------
+    state : nvalchemi.data.Batch
+        The engine's per-structure state (``NPT._state``), modified in place.
+    chain_length : int
+        The engine's chain length.
+    """
+    if chain_length != 1:
+        return
+    for key in _CHAIN_VELOCITIES:
+        velocities = getattr(state, key)
+        if velocities.stride() == (2, 1):
+            continue  # already a view of a padded buffer
+        padded = velocities.new_zeros(velocities.shape[0], 2)
+        padded[:, :1].copy_(velocities)
+        state[key] = padded[:, :1]
+
+
+@functools.cache
+def _engine_classes() -> tuple[type, type]:
+    """Return nvalchemi's ``NPT`` and ``NPH`` with the fixes of the module docstring."""
+    dynamics = import_quietly("nvalchemi.dynamics")
+
+    class NPT(dynamics.NPT):  # type: ignore[misc,name-defined]
+        """The ``NPT`` engine, safe with ``chain_length=1``, without its warnings."""
+
+        def pre_update(self, batch: Batch) -> None:
+            # State may have been rebuilt (refill, reordering) since last step.
+            _pad_chain_velocities(self._state, self.chain_length)
+            with _deprecated_arguments_ignored():
+                super().pre_update(batch)
+
+        def post_update(self, batch: Batch) -> None:
+            _pad_chain_velocities(self._state, self.chain_length)
+            with _deprecated_arguments_ignored():
+                super().post_update(batch)
+
+    class NPH(dynamics.NPH):  # type: ignore[misc,name-defined]
+        """The ``NPH`` engine without its kernels' deprecation warnings."""
+
+        def pre_update(self, batch: Batch) -> None:
+            with _deprecated_arguments_ignored():
+                super().pre_update(batch)
+
+        def post_update(self, batch: Batch) -> None:
+            with _deprecated_arguments_ignored():
+                super().post_update(batch)
+
+    return NPT, NPH
 
 
 class _VariableCellMD(BatchedMolecularDynamics):
@@ -75,7 +186,7 @@ class IsotropicMTKNPT(_VariableCellMD):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         pressure_au: float | Sequence[float],
@@ -87,6 +198,10 @@ class IsotropicMTKNPT(_VariableCellMD):
         ploop: int = 1,
         **kwargs: Any,
     ) -> None:
+        for name, links in (("tchain", tchain), ("pchain", pchain)):
+            # nvalchemiops' chain kernel has no guard: 0 links crash the process
+            if integer_argument(name, links, "thermostats in the chain") < 1:
+                raise ValueError(f"{name} must be >= 1, got {links}")
         if tchain != pchain:
             raise ValueError(
                 f"tchain={tchain} and pchain={pchain} differ; nvalchemi's NPT uses one "
@@ -115,8 +230,8 @@ class IsotropicMTKNPT(_VariableCellMD):
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
-        dynamics = import_quietly("nvalchemi.dynamics")
-        return dynamics.NPT(
+        npt_engine, _ = _engine_classes()
+        return npt_engine(
             self.model,
             dt=ase_time_to_fs(self.dt),
             temperature=self._engine_temperature(),
@@ -163,7 +278,7 @@ class NPH(_VariableCellMD):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         pressure_au: float | Sequence[float],
         pdamp: float,
@@ -190,8 +305,8 @@ class NPH(_VariableCellMD):
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
-        dynamics = import_quietly("nvalchemi.dynamics")
-        return dynamics.NPH(
+        _, nph_engine = _engine_classes()
+        return nph_engine(
             self.model,
             dt=ase_time_to_fs(self.dt),
             pressure=self._pressure(self.pressure_au),
