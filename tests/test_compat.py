@@ -97,3 +97,21 @@ def test_private_nvalchemi_names_appear_only_in_the_compat_module():
 def test_compat_module_imports_nothing_heavy_at_import_time():
     module = importlib.import_module("nvalchemi_ase._compat")
     assert "import torch" not in inspect.getsource(module).split("if TYPE_CHECKING")[0]
+
+
+def test_npt_state_holds_the_chain_velocities_the_workaround_pads():
+    from ase.build import bulk
+
+    from nvalchemi_ase import NVAlchemiCalculator
+    from nvalchemi_ase.md import IsotropicMTKNPT
+    from nvalchemi_ase.md.npt import _CHAIN_VELOCITIES
+
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
+    atoms.set_momenta(np.random.default_rng(1).normal(0.0, 1.0, (len(atoms), 3)))
+    atoms.calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    dyn = IsotropicMTKNPT(
+        atoms, 1.0, temperature_K=50.0, pressure_au=0.0, tdamp=100.0, pdamp=1000.0
+    )
+    dyn.run(1)
+    state = dyn.engine._state
+    assert [key for key in _CHAIN_VELOCITIES if getattr(state, key, None) is None] == []
