@@ -31,14 +31,15 @@ from nvalchemi_ase.convert import (
     as_atoms_list,
     atoms_to_batch,
     batch_results,
+    check_images,
     refresh_positions,
 )
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
 from nvalchemi_ase.models import model_native_dtype, resolve_model
+from nvalchemi_ase.typing import DeviceLike, ModelLike
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
-    from nvalchemi.models.base import BaseModelMixin
 
 __all__ = ["NVAlchemiCalculator"]
 
@@ -132,9 +133,9 @@ class NVAlchemiCalculator(Calculator):
 
     def __init__(
         self,
-        model: BaseModelMixin | str = "lj",
+        model: ModelLike = "lj",
         *,
-        device: torch.device | str | None = None,
+        device: DeviceLike = None,
         dtype: DtypeLike = None,
         **model_params: Any,
     ) -> None:
@@ -340,6 +341,7 @@ class NVAlchemiCalculator(Calculator):
                 f"provides {self.implemented_properties}"
             )
         self._shared.stress_wanted |= "stress" in properties
+        check_images(images, model=self.model)
         batch = self._batch_for(images)
         return batch_results(batch, self._run_model(batch, properties))
 

@@ -51,11 +51,16 @@ constraints
 
 The user's ``Atoms`` are never modified by :func:`atoms_to_batch`; every input is
 validated before any tensor is built, and a bad structure raises
-:class:`StructureError` naming its index, the field and the fix.
+:class:`StructureError` naming its index, the field and the fix. Besides single
+fields this includes ``FixAtoms`` indices resolved per structure with ASE's rules
+and atoms closer than :data:`MIN_DISTANCE` (periodic images included);
+:func:`check_images` with a model also checks the model's elements and that no
+periodic cell is too thin for its cutoff (:data:`MAX_PERIODIC_IMAGES`).
 """
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,6 +73,7 @@ from ase import Atoms
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixAtoms
 from ase.data import atomic_masses as ase_default_masses
+from ase.data import chemical_symbols
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
@@ -82,6 +88,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FROZEN_CATEGORY",
+    "MAX_PERIODIC_IMAGES",
+    "MIN_DISTANCE",
     "NotCarriedWarning",
     "StructureError",
     "as_atoms_list",
@@ -97,6 +105,30 @@ __all__ = [
 #: ``atom_categories`` value of atoms frozen by ``FixAtoms``
 #: (``nvalchemi``'s ``AtomCategory.SPECIAL``, read by ``FreezeAtomsHook``).
 FROZEN_CATEGORY = -1
+
+#: Smallest distance, Å, allowed between two atoms, periodic images included.
+#: No two nuclei are this close in any molecular or condensed-matter simulation:
+#: the shortest bond (H2) is 0.74 Å, and even at megabar pressures interatomic
+#: distances stay above about 0.5 Å. A closer pair is almost always a duplicated
+#: site (a CIF with partial occupancies read as full sites, a structure pasted
+#: twice, a supercell of a cell that already held its images); ASE's own
+#: ``ase.geometry.get_duplicate_atoms`` uses the same 0.1 Å by default. Models do
+#: not fail loudly on such input: nvalchemi's Lennard-Jones drops a coincident
+#: pair (a dimer gets E = 0 eV) and SevenNet-0 returns NaN.
+MIN_DISTANCE = 0.1
+
+#: Most periodic images per side, ``ceil((cutoff + skin) / height)``, that the
+#: neighbour search may need along a periodic axis (:func:`check_images` with a
+#: model). nvalchemi's neighbour list (``nvalchemiops``' ``compute_naive_num_shifts``)
+#: visits ``2 n + 1`` images along each axis, and an atom's neighbour count grows
+#: like ``n**3``: at 16 a one-atom cubic cell has 17,000 neighbours per atom and
+#: builds its list in 0.06 s on two CPU cores, while a cell whose lattice vectors
+#: are nearly parallel needs 10**4-10**5 images and does not finish in 15 minutes.
+#: Real structures stay far below the limit: the one-atom primitive cell of a
+#: close-packed metal (height about 2 Å) with a 12 Å cutoff and a 1 Å skin needs
+#: 7, metallic hydrogen at 500 GPa (height about 0.8 Å) with SevenNet-0's 5 Å and
+#: a 1 Å skin needs 8.
+MAX_PERIODIC_IMAGES = 16
 
 _CARRIED_ARRAYS = frozenset(
     {"numbers", "positions", "momenta", "masses", "initial_charges", "tags"}
@@ -183,20 +215,49 @@ def as_atoms_list(images: Atoms | Iterable[Atoms]) -> list[Atoms]:
     return atoms_list
 
 
-def check_images(images: Atoms | Sequence[Atoms]) -> None:
-    """Validate structures as :func:`atoms_to_batch` would, without building tensors.
+def check_images(
+    images: Atoms | Sequence[Atoms], *, model: Any = None, skin: float = 0.0
+) -> None:
+    """Validate structures before any work, as :func:`atoms_to_batch` does, and more.
+
+    Without a model this runs exactly the checks of :func:`atoms_to_batch`
+    (nothing is built): at least one atom; atomic numbers 1-118; finite
+    positions, cell, momenta and charges; positive masses; per-atom arrays of
+    one row per atom and a numeric dtype; a lattice vector on every periodic
+    axis; ``FixAtoms`` indices inside the structure (negative ones count from
+    its end, as ASE's); finite numeric ``info["charge"]``/``info["spin"]``; no
+    two atoms, or an atom and a periodic image of any atom (itself included),
+    closer than :data:`MIN_DISTANCE`. With a model it also checks
+
+    * the elements against the model's (``model.supported_elements``, see
+      :func:`nvalchemi_ase.models.supported_elements`);
+    * that no periodic axis is so thin against ``cutoff + skin`` (the model's
+      ``model_config.neighbor_config.cutoff``) that the neighbour search would
+      need more than :data:`MAX_PERIODIC_IMAGES` images per side.
+
+    The structures are never modified.
 
     Parameters
     ----------
     images : ase.Atoms or sequence of ase.Atoms
         The structures.
+    model : BaseModelMixin, optional
+        The nvalchemi model the structures are meant for.
+    skin : float
+        Verlet skin, Å, added to the model's cutoff (a dynamics object's
+        ``neighbor_skin``; 0 for single evaluations).
 
     Raises
     ------
     StructureError
         For the first structure that cannot be simulated (index, field, fix).
+    TypeError, ValueError
+        For an ``images`` that is not ``Atoms``, an empty list, or a bad ``skin``.
     """
-    _stack(as_atoms_list(images))
+    skin = _check_skin(skin)
+    stacked = _stack(as_atoms_list(images))
+    if model is not None:
+        _check_model_fit(stacked, model, skin)
 
 
 def atoms_to_batch(
@@ -231,8 +292,9 @@ def atoms_to_batch(
     ------
     StructureError
         For a structure that cannot be simulated (empty, non-finite positions or
-        cell, unknown element, periodic axis without a lattice vector, ...),
-        before any tensor is built.
+        cell, unknown element, periodic axis without a lattice vector, atoms
+        closer than :data:`MIN_DISTANCE`, ...; see :func:`check_images`), before
+        any tensor is built.
     """
     atoms_list = as_atoms_list(images)
     stacked = _stack(atoms_list)
@@ -262,6 +324,12 @@ def refresh_positions(batch: Batch, images: Atoms | Sequence[Atoms]) -> None:
     StructureError
         For non-finite positions or cells, or a periodic axis without a lattice
         vector, before anything is written.
+
+    Notes
+    -----
+    The distance and model checks of :func:`check_images` are not repeated
+    here (this is the cheap path); ``NVAlchemiCalculator`` runs
+    :func:`check_images` before every evaluation.
     """
     atoms_list = as_atoms_list(images)
     counts = np.array([len(atoms) for atoms in atoms_list], dtype=np.int64)
@@ -453,6 +521,7 @@ def _stack(atoms_list: list[Atoms]) -> _Stacked:
             "the structure has no atoms",
             "remove it from the list",
         )
+    _check_atom_arrays(atoms_list)
     numbers = np.concatenate([atoms.arrays["numbers"] for atoms in atoms_list])
     positions = np.concatenate([atoms.arrays["positions"] for atoms in atoms_list])
     cell = np.stack([atoms.cell.array for atoms in atoms_list]).astype(np.float64)
@@ -461,7 +530,7 @@ def _stack(atoms_list: list[Atoms]) -> _Stacked:
     _check_atoms_fields(numbers, positions, ptr)
     _check_cells(cell, pbc)
     masses = _gather_masses(atoms_list, numbers, ptr)
-    return _Stacked(
+    stacked = _Stacked(
         counts_b=counts,
         numbers_v=numbers.astype(np.int64),
         positions_v=positions.astype(np.float64),
@@ -475,6 +544,9 @@ def _stack(atoms_list: list[Atoms]) -> _Stacked:
         charge_b=_gather_info_number(atoms_list, "charge"),
         spin_b=_gather_info_number(atoms_list, "spin"),
     )
+    _check_finite_charges(stacked.charges_v, ptr)
+    _check_distances(stacked.positions_v, cell, pbc, ptr)
+    return stacked
 
 
 def _structure_of(atom_index: int, ptr: npt.NDArray[np.int64]) -> tuple[int, int]:
@@ -581,8 +653,50 @@ def _gather_frozen(
     for index, atoms in enumerate(atoms_list):
         for constraint in atoms.constraints:
             if isinstance(constraint, FixAtoms):
-                frozen[ptr[index] + np.asarray(constraint.index, dtype=np.int64)] = True
+                fixed = _fixed_indices(index, constraint, len(atoms))
+                frozen[ptr[index] + fixed] = True
     return frozen
+
+
+def _fixed_indices(
+    index: int, constraint: FixAtoms, count: int
+) -> npt.NDArray[np.int64]:
+    """Return the indices ``constraint`` freezes in a structure of ``count`` atoms.
+
+    ``FixAtoms`` stores indices (a ``mask=`` is turned into indices when it is
+    built); as in NumPy indexing, and so in ASE's ``adjust_positions``, an index
+    ``-k`` is the k-th atom from the end of this structure, and an index outside
+    ``[-count, count)`` is an error.
+    """
+    raw = np.asarray(constraint.index)
+    if raw.dtype == bool:  # an index attribute overwritten with a mask
+        if raw.shape != (count,):
+            raise StructureError(
+                index,
+                "constraints",
+                f"FixAtoms holds a mask of {raw.size} entries for {count} atoms",
+                "build it as FixAtoms(mask=...) with one entry per atom",
+            )
+        return np.flatnonzero(raw)
+    if raw.size and (raw.ndim != 1 or raw.dtype.kind not in "iu"):
+        raise StructureError(
+            index,
+            "constraints",
+            f"FixAtoms indices {raw.tolist()!r} are not integers",
+            "give integer atom indices, e.g. FixAtoms(indices=[0, 1])",
+        )
+    fixed = raw.reshape(-1).astype(np.int64)
+    outside = (fixed < -count) | (fixed >= count)
+    if outside.any():
+        raise StructureError(
+            index,
+            "constraints",
+            f"FixAtoms index {int(fixed[outside][0])} is out of range for a "
+            f"structure of {count} atoms",
+            f"use indices in [-{count}, {count}) of this structure (negative ones "
+            "count from its end); each structure needs its own FixAtoms",
+        )
+    return fixed % count
 
 
 def _gather_optional_array(
@@ -605,15 +719,567 @@ def _gather_info_number(
     values = np.zeros(len(atoms_list))
     for index, atoms in enumerate(atoms_list):
         value = atoms.info.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+        if isinstance(value, bool | np.bool_ | np.complexfloating) or not isinstance(
+            value, int | float | np.number
+        ):
             raise StructureError(
                 index,
                 f'info["{key}"]',
                 f"{value!r} is not a number",
                 f'set atoms.info["{key}"] to an int',
             )
+        if not np.isfinite(value):
+            raise StructureError(
+                index,
+                f'info["{key}"]',
+                f"{value!r} is not finite",
+                f'set atoms.info["{key}"] to a finite number (an int), or delete it',
+            )
         values[index] = value
     return values
+
+
+# --------------------------------------------------------------------------
+# Validation beyond single fields: per-atom arrays, distances, model fit
+# --------------------------------------------------------------------------
+
+#: Carried per-atom arrays: shape after the atom axis, accepted dtype kinds
+#: (NumPy ``dtype.kind``), and the ``Atoms`` method that sets them correctly.
+_ARRAY_RULES: dict[str, tuple[tuple[int, ...], str, str]] = {
+    "numbers": ((), "iu", "set_atomic_numbers"),
+    "positions": ((3,), "iuf", "set_positions"),
+    "masses": ((), "iuf", "set_masses"),
+    "momenta": ((3,), "iuf", "set_momenta"),
+    "initial_charges": ((), "iuf", "set_initial_charges"),
+    "tags": ((), "iu", "set_tags"),
+}
+_KIND_NAMES = {"iu": "integer", "iuf": "real numbers"}
+#: Shifted grids of the distance check: D + 1 grids, shifted by 1/(D + 1) of a bin
+#: along every axis, put every pair closer than 1/(D + 1) of a bin into one bin
+#: of at least one grid (in D = 3 dimensions; each axis can separate the pair in
+#: at most one grid).
+_GRIDS = 4
+#: Structures whose periodic heights are all above this (Å) are searched with
+#: fractional coordinates wrapped once: the close image of a pair is then the
+#: only one within half a cell, and no atom is near its own image.
+_THIN_HEIGHT = 2.0 * MIN_DISTANCE
+
+
+def _check_skin(skin: Any) -> float:
+    if isinstance(skin, bool) or not isinstance(skin, numbers.Real):
+        raise TypeError(f"skin must be a number (Å), got {skin!r}")
+    value = float(skin)
+    if not (np.isfinite(value) and value >= 0.0):
+        raise ValueError(f"skin must be finite and >= 0 Å, got {value}")
+    return value
+
+
+def _check_atom_arrays(atoms_list: list[Atoms]) -> None:
+    """Check that carried per-atom arrays have one row per atom, numeric dtypes.
+
+    ASE checks shapes in ``set_array`` but not when ``atoms.arrays`` is assigned
+    directly; a wrong array would otherwise surface as a NumPy or torch error.
+    """
+    for index, atoms in enumerate(atoms_list):
+        arrays = atoms.arrays
+        count = len(arrays["positions"])
+        shapes = {(): (count,), (3,): (count, 3)}
+        for key, value in arrays.items():
+            rule = _ARRAY_RULES.get(key)
+            if rule is None:
+                continue
+            trailing, kinds, setter = rule
+            if not isinstance(value, np.ndarray):
+                value = np.asarray(value)
+            if value.dtype.kind not in kinds:
+                raise StructureError(
+                    index,
+                    key,
+                    f"has dtype {value.dtype}, not {_KIND_NAMES[kinds]}",
+                    f"set it with atoms.{setter}(...) or delete it "
+                    f'(del atoms.arrays["{key}"])',
+                )
+            if value.shape != shapes[trailing]:
+                raise StructureError(
+                    index,
+                    key,
+                    f"has shape {value.shape} for {count} atoms; expected "
+                    f"{shapes[trailing]}",
+                    f"set it with atoms.{setter}(...) (one row per atom) or delete "
+                    f'it (del atoms.arrays["{key}"])',
+                )
+
+
+def _check_finite_charges(
+    charges: npt.NDArray[np.float64] | None, ptr: npt.NDArray[np.int64]
+) -> None:
+    if charges is None:
+        return
+    bad = np.flatnonzero(~np.isfinite(charges))
+    if bad.size:
+        structure, atom = _structure_of(int(bad[0]), ptr)
+        raise StructureError(
+            structure,
+            f"initial_charges[{atom}]",
+            f"charge {charges[bad[0]]} is not finite",
+            "set finite charges in e (atoms.set_initial_charges)",
+        )
+
+
+@dataclass
+class _Close:
+    """Two atoms (or an atom and its own image) closer than ``MIN_DISTANCE``."""
+
+    structure: int
+    first: int
+    second: int
+    distance: float
+    periodic: bool
+    vector: npt.NDArray[np.float64] | None = None
+
+    def error(self) -> StructureError:
+        if self.first == self.second:
+            vector = np.round(np.asarray(self.vector), 6).tolist()
+            return StructureError(
+                self.structure,
+                "cell",
+                f"atom {self.first} is {self.distance:.3g} Å from its own periodic "
+                f"image: the lattice holds the vector {vector} Å, shorter than "
+                f"the minimum distance of {MIN_DISTANCE} Å between atoms",
+                "the cell is too small or its periodic vectors are (nearly) "
+                "parallel; set the intended lattice vectors",
+            )
+        image = " (a periodic image of it)" if self.periodic else ""
+        return StructureError(
+            self.structure,
+            f"positions[{self.second}]",
+            f"atom {self.second} is {self.distance:.3g} Å from atom "
+            f"{self.first}{image}, closer than the minimum of {MIN_DISTANCE} Å",
+            "atoms this close are almost always a duplicated site (e.g. a CIF "
+            f"with partial occupancies read as full sites); remove one (del "
+            f"atoms[{self.second}], or ase.geometry.get_duplicate_atoms(atoms, "
+            f"cutoff={MIN_DISTANCE}, delete=True) for every such pair)",
+        )
+
+
+def _check_distances(
+    positions: npt.NDArray[np.float64],
+    cell: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+    ptr: npt.NDArray[np.int64],
+) -> None:
+    """Raise for the first structure with atoms closer than :data:`MIN_DISTANCE`.
+
+    Periodic images count, an atom's own included. All structures are searched
+    at once with shifted grids (:func:`_close_by_grids`, a few sorts of the
+    V atoms); a structure with a periodic height below ``2 * MIN_DISTANCE`` is
+    first given a Minkowski-reduced basis of the same lattice, and searched
+    as a supercell if it is still that thin.
+    """
+    frames = _search_frames(cell, pbc)
+    found: list[_Close] = []
+    for index in np.flatnonzero(_thin(frames, pbc)):
+        frames[index], own_image = _reduced_frame(int(index), frames[index], pbc[index])
+        if own_image is not None:
+            found.append(own_image)
+    thin = _thin(frames, pbc)
+    owner = np.repeat(np.arange(len(cell)), np.diff(ptr))
+    by_grid = _close_by_grids(positions, frames, pbc, ptr, owner, ~thin[owner])
+    if by_grid is not None:
+        found.append(by_grid)
+    for index in np.flatnonzero(thin):
+        if found and min(c.structure for c in found) <= index:
+            break
+        atoms_slice = slice(ptr[index], ptr[index + 1])
+        close = _close_in_supercell(
+            int(index), positions[atoms_slice], frames[index], pbc[index]
+        )
+        if close is not None:
+            found.append(close)
+            break
+    if found:
+        raise min(found, key=lambda close: close.structure).error()
+
+
+def _search_frames(
+    cell: npt.NDArray[np.float64], pbc: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.float64]:
+    """Return each structure's periodic lattice vectors and orthonormal others.
+
+    Rows on periodic axes are the cell's; the others are unit vectors orthogonal
+    to them and to each other, so fractional coordinates along non-periodic
+    axes are Å (the user's vectors there may be zero or arbitrary).
+    """
+    frames = np.where(pbc[:, :, None], cell, 0.0)
+    n_periodic = pbc.sum(axis=1)
+    frames[n_periodic == 0] = np.eye(3)
+    slabs, axis = np.nonzero(~pbc & (n_periodic == 2)[:, None])
+    if slabs.size:
+        normal = np.cross(cell[slabs, (axis + 1) % 3], cell[slabs, (axis + 2) % 3])
+        frames[slabs, axis] = normal / np.linalg.norm(normal, axis=1, keepdims=True)
+    wires, axis = np.nonzero(pbc & (n_periodic == 1)[:, None])
+    if wires.size:
+        along = cell[wires, axis] / np.linalg.norm(
+            cell[wires, axis], axis=1, keepdims=True
+        )
+        helper = np.eye(3)[np.argmin(np.abs(along), axis=1)]
+        first = np.cross(along, helper)
+        first /= np.linalg.norm(first, axis=1, keepdims=True)
+        frames[wires, (axis + 1) % 3] = first
+        frames[wires, (axis + 2) % 3] = np.cross(along, first)
+    return frames
+
+
+def _heights(cells: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """Distance between the lattice planes of each axis, Å, shape (B, 3)."""
+    volume = np.abs(np.linalg.det(cells))
+    faces = np.cross(np.roll(cells, -1, axis=1), np.roll(cells, -2, axis=1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return volume[:, None] / np.linalg.norm(faces, axis=2)
+
+
+def _thin(
+    frames: npt.NDArray[np.float64], pbc: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.bool_]:
+    return np.any((_heights(frames) <= _THIN_HEIGHT) & pbc, axis=1)
+
+
+def _reduced_frame(
+    index: int, frame: npt.NDArray[np.float64], pbc: npt.NDArray[np.bool_]
+) -> tuple[npt.NDArray[np.float64], _Close | None]:
+    """Return a Minkowski-reduced basis of the same lattice, and any own-image pair.
+
+    The reduced basis holds the lattice's shortest vector, so an atom is closer
+    than ``MIN_DISTANCE`` to its own image exactly when a periodic row is.
+    """
+    from ase.geometry import minkowski_reduce
+
+    reduced, _ = minkowski_reduce(frame, pbc)
+    lengths = np.where(pbc, np.linalg.norm(reduced, axis=1), np.inf)
+    axis = int(np.argmin(lengths))
+    if lengths[axis] < MIN_DISTANCE:
+        own = _Close(index, 0, 0, float(lengths[axis]), True, reduced[axis])
+        return reduced, own
+    return reduced, None
+
+
+def _close_by_grids(
+    positions: npt.NDArray[np.float64],
+    frames: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+    ptr: npt.NDArray[np.int64],
+    owner: npt.NDArray[np.int64],
+    include: npt.NDArray[np.bool_],
+) -> _Close | None:
+    """Return the first pair closer than ``MIN_DISTANCE`` (``include``d atoms).
+
+    Fractional coordinates (wrapped on periodic axes) are binned into cells of
+    height ``_GRIDS * MIN_DISTANCE`` or more; every close pair shares a bin in
+    one of the ``_GRIDS`` shifted grids. Per grid, atoms alone in their hash
+    bucket are dropped (one ``bincount``), the rest are sorted by bin and
+    neighbours in that order compared. Real structures have at most one or two
+    atoms per bin, so almost no distance is computed.
+    """
+    if len(frames) == 1:  # one structure: broadcast instead of per-atom copies
+
+        def per_atom(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values
+
+        fractional = positions @ np.linalg.inv(frames[0])
+    else:
+
+        def per_atom(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values[owner]
+
+        inverse = np.linalg.inv(frames)[owner]
+        fractional = np.einsum("vi,vij->vj", positions, inverse)
+    periodic = per_atom(pbc)
+    fractional = np.where(periodic, fractional - np.floor(fractional), fractional)
+    per_unit = _heights(frames) / (_GRIDS * MIN_DISTANCE)
+    bins = np.where(pbc, np.maximum(np.floor(per_unit), 1.0), per_unit)
+    scaled = fractional * per_atom(bins)
+    starts = ptr[:-1]
+    lowest = np.floor(np.minimum.reduceat(scaled, starts, axis=0))
+    scaled = np.where(periodic, scaled, scaled - per_atom(lowest))  # all >= 0
+    span = np.where(pbc, bins, np.floor(np.maximum.reduceat(scaled, starts)) + 2)
+    packed = float(np.prod(span, axis=1).sum()) < 2.0**62
+    span_b = span.astype(np.int64)
+    base_b = np.concatenate([[0], np.cumsum(np.prod(span_b, axis=1))[:-1]])
+    weight_b = np.stack([span_b[:, 1] * span_b[:, 2], span_b[:, 2]], axis=1)
+    span_v, weight_v, base_v = per_atom(span_b), per_atom(weight_b), per_atom(base_b)
+    atoms = np.arange(len(positions)) if include.all() else np.flatnonzero(include)
+    close: _Close | None = None
+    grid = 0
+    while grid < _GRIDS and atoms.size >= 2:
+        chosen = None if atoms.size == len(positions) else atoms
+        # truncation is floor here (scaled >= 0); a periodic axis' last bin wraps
+        cells = (_rows(scaled, chosen) + grid / _GRIDS).astype(np.int64)
+        spans = _rows(span_v, chosen)
+        cells -= spans * (cells >= spans)
+        if packed:
+            weights = _rows(weight_v, chosen)
+            keys = (
+                _rows(base_v, chosen)
+                + cells[:, 0] * weights[:, 0]
+                + cells[:, 1] * weights[:, 1]
+                + cells[:, 2]
+            )
+            shared = _sharing_a_bucket(keys)
+            order = shared[np.argsort(keys[shared])]
+            sorted_keys = keys[order, None]
+        else:  # astronomically many bins: compare (structure, bin) rows
+            rows = np.column_stack([owner[atoms], cells])
+            order = np.lexsort(rows.T[::-1])
+            sorted_keys = rows[order]
+        found = _scan_sorted(atoms[order], sorted_keys, fractional, pbc, frames, owner)
+        if found is None:
+            grid += 1
+        else:  # look again, for a close pair in an earlier structure
+            close = _pair(*found, positions, ptr)
+            atoms = atoms[owner[atoms] < close.structure]
+    return close
+
+
+def _rows(
+    values: npt.NDArray[Any], atoms: npt.NDArray[np.int64] | None
+) -> npt.NDArray[Any]:
+    """Select ``atoms`` from per-atom ``values`` (one shared row is kept as is)."""
+    return values if atoms is None or len(values) == 1 else values[atoms]
+
+
+def _sharing_a_bucket(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Return the positions of keys whose hash bucket holds another key too.
+
+    Equal keys share a bucket, so no pair of equal keys is lost; with four
+    buckets per key about a fifth of distinct keys collide.
+    """
+    buckets = keys % (4 * len(keys) + 1)
+    counts = np.bincount(buckets)
+    return np.flatnonzero(counts[buckets] > 1)
+
+
+def _scan_sorted(
+    atoms: npt.NDArray[np.int64],
+    keys: npt.NDArray[np.int64],
+    fractional: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+    frames: npt.NDArray[np.float64],
+    owner: npt.NDArray[np.int64],
+) -> tuple[int, int, int, float] | None:
+    """Return the first close pair (structure, atom, atom, Å) sharing a bin.
+
+    ``atoms`` are sorted by bin (``keys``); two atoms of one bin are ``step``
+    apart in that order for some ``step`` below the bin's size.
+    """
+    for step in range(1, len(atoms)):
+        same = (keys[step:] == keys[:-step]).all(axis=1)
+        if not same.any():
+            return None
+        first, second = atoms[:-step][same], atoms[step:][same]
+        difference = fractional[second] - fractional[first]
+        structure = owner[first]
+        difference = np.where(
+            pbc[structure], difference - np.round(difference), difference
+        )
+        vectors = np.einsum("pi,pij->pj", difference, frames[structure])
+        distance = np.linalg.norm(vectors, axis=1)
+        bad = np.flatnonzero(distance < MIN_DISTANCE)
+        if bad.size:
+            low = np.minimum(first[bad], second[bad])
+            high = np.maximum(first[bad], second[bad])
+            pick = np.lexsort((low, high, owner[low]))[0]
+            return (
+                int(owner[low[pick]]),
+                int(low[pick]),
+                int(high[pick]),
+                float(distance[bad[pick]]),
+            )
+    return None
+
+
+def _pair(
+    structure: int,
+    first: int,
+    second: int,
+    distance: float,
+    positions: npt.NDArray[np.float64],
+    ptr: npt.NDArray[np.int64],
+) -> _Close:
+    """Name a close pair of global atom indices within its structure."""
+    direct = float(np.linalg.norm(positions[second] - positions[first]))
+    return _Close(
+        structure,
+        int(first - ptr[structure]),
+        int(second - ptr[structure]),
+        distance,
+        periodic=abs(direct - distance) > 1e-9,
+    )
+
+
+def _close_in_supercell(
+    index: int,
+    positions: npt.NDArray[np.float64],
+    frame: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+) -> _Close | None:
+    """Find the close pair of one very thin structure through a supercell.
+
+    The supercell repeats the (reduced) cell until every periodic height
+    exceeds ``2 * MIN_DISTANCE``; each image of an atom near another one (or
+    near itself) is then a copy in the supercell, found by the shifted grids.
+    """
+    repeats = np.where(pbc, np.floor(_THIN_HEIGHT / _heights(frame[None])[0]) + 1, 1)
+    grid = np.stack(
+        np.meshgrid(*(np.arange(int(r)) for r in repeats), indexing="ij"), axis=-1
+    ).reshape(-1, 3)
+    copies = (positions[None, :, :] + (grid @ frame)[:, None, :]).reshape(-1, 3)
+    count = len(positions)
+    close = _close_by_grids(
+        copies,
+        (frame * repeats[:, None])[None],
+        pbc[None],
+        np.array([0, len(copies)]),
+        np.zeros(len(copies), dtype=np.int64),
+        np.ones(len(copies), dtype=bool),
+    )
+    if close is None:
+        return None
+    first, second = close.first % count, close.second % count
+    vector = copies[close.second] - copies[close.first]
+    if first > second:
+        first, second = second, first
+    return _Close(index, first, second, close.distance, True, vector)
+
+
+def _check_model_fit(stacked: _Stacked, model: Any, skin: float) -> None:
+    """Run the checks of :func:`check_images` that need the model."""
+    name = type(model).__name__
+    elements = _supported_elements(model)
+    if elements is not None:
+        _check_elements(stacked, elements, name)
+    config = getattr(getattr(model, "model_config", None), "neighbor_config", None)
+    if config is not None and stacked.pbc_b.any():
+        _check_cell_heights(stacked, float(config.cutoff), skin, name)
+
+
+def _supported_elements(model: Any) -> frozenset[int] | None:
+    """Return the atomic numbers ``model`` can evaluate, None for any."""
+    declared = getattr(model, "supported_elements", None)
+    if declared is not None:
+        try:
+            return frozenset(int(z) for z in declared)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"{type(model).__name__}.supported_elements must be atomic numbers "
+                f"(ints) or None, got {declared!r}"
+            ) from error
+    if type(model).__name__ == "DemoModelWrapper":
+        # nvalchemi's DemoModel embeds the atomic number itself:
+        # nn.Embedding(num_atom_types, ...) accepts 0 .. num_atom_types - 1.
+        embedding = getattr(getattr(model, "model", None), "embedding", None)
+        if isinstance(embedding, torch.nn.Embedding):
+            return frozenset(range(1, int(embedding.num_embeddings)))
+    return None
+
+
+def _check_elements(stacked: _Stacked, elements: frozenset[int], name: str) -> None:
+    known = np.zeros(_MAX_ATOMIC_NUMBER + 1, dtype=bool)
+    known[[z for z in elements if 0 <= z <= _MAX_ATOMIC_NUMBER]] = True
+    bad = np.flatnonzero(~known[stacked.numbers_v])
+    if not bad.size:
+        return
+    ptr = np.concatenate([[0], np.cumsum(stacked.counts_b)])
+    structure, atom = _structure_of(int(bad[0]), ptr)
+    numbers = stacked.numbers_v[ptr[structure] : ptr[structure + 1]]
+    missing = [chemical_symbols[z] for z in np.unique(numbers[~known[numbers]])]
+    number = int(stacked.numbers_v[bad[0]])
+    raise StructureError(
+        structure,
+        f"numbers[{atom}]",
+        f"{name} cannot evaluate {', '.join(missing)} (atom {atom} is "
+        f"{chemical_symbols[number]}, Z = {number})",
+        f"it supports {len(elements)} elements ({_element_ranges(elements)}); "
+        "remove or replace those atoms, or use a model trained on them",
+    )
+
+
+def _element_ranges(elements: frozenset[int]) -> str:
+    """``"H-Ar, K"``: runs of consecutive atomic numbers as symbol ranges."""
+    numbers = sorted(z for z in elements if 1 <= z <= _MAX_ATOMIC_NUMBER)
+    runs: list[list[int]] = []
+    for z in numbers:
+        if runs and z == runs[-1][-1] + 1:
+            runs[-1].append(z)
+        else:
+            runs.append([z])
+    return ", ".join(
+        chemical_symbols[run[0]]
+        if len(run) == 1
+        else f"{chemical_symbols[run[0]]}-{chemical_symbols[run[-1]]}"
+        for run in runs
+    )
+
+
+def _check_cell_heights(
+    stacked: _Stacked, cutoff: float, skin: float, name: str
+) -> None:
+    """Check no periodic axis needs over :data:`MAX_PERIODIC_IMAGES` images a side.
+
+    nvalchemi's neighbour list searches ``ceil(reach / height)`` images on each
+    side of every periodic axis of the cell it is given (the padded cell of
+    :func:`atoms_to_batch`), ``reach = cutoff + skin``.
+    """
+    ptr = np.concatenate([[0], np.cumsum(stacked.counts_b)])
+    padded, _ = _padded_cells(stacked.cell_b, stacked.pbc_b, stacked.positions_v, ptr)
+    heights = _heights(padded)
+    reach = cutoff + skin
+    with np.errstate(divide="ignore", invalid="ignore"):
+        images = np.ceil(reach / heights)
+    too_many = stacked.pbc_b & ~(images <= MAX_PERIODIC_IMAGES)
+    for index, axis in zip(*np.nonzero(too_many), strict=True):
+        index, axis = int(index), int(axis)
+        height = float(heights[index, axis])
+        needed = np.ceil(
+            reach / (MAX_PERIODIC_IMAGES * np.maximum(heights[index], 1e-300))
+        )
+        repeat = tuple(
+            int(n) if bad else 1 for n, bad in zip(needed, too_many[index], strict=True)
+        )
+        raise StructureError(
+            index,
+            "cell",
+            f"periodic axis {axis} is only {height:.3g} Å high (the distance "
+            f"between its lattice planes), so the neighbour search to {reach:g} Å "
+            f"({name}'s cutoff {cutoff:g} Å + skin {skin:g} Å) would need "
+            f"{images[index, axis]:.0f} periodic images per side, more than "
+            f"{MAX_PERIODIC_IMAGES}",
+            _height_fix(padded[index], stacked.pbc_b[index], reach, repeat),
+        )
+
+
+def _height_fix(
+    cell: npt.NDArray[np.float64],
+    pbc: npt.NDArray[np.bool_],
+    reach: float,
+    repeat: tuple[int, ...],
+) -> str:
+    from ase.geometry import minkowski_reduce
+
+    fix = f"use a supercell, atoms * {repeat}, or a larger cell"
+    reduced, _ = minkowski_reduce(cell, pbc)
+    lowest = float(np.min(_heights(reduced[None])[0][pbc]))
+    if np.ceil(reach / lowest) <= MAX_PERIODIC_IMAGES:
+        reducer = (
+            "ase.build.niggli_reduce(atoms)"
+            if pbc.all()
+            else "the basis from ase.geometry.minkowski_reduce(atoms.cell, atoms.pbc)"
+        )
+        fix = (
+            "its lattice vectors are a needlessly skewed choice: a reduced basis "
+            f"of the same lattice is at least {lowest:.3g} Å high; use {reducer}, "
+            f"or {fix.removeprefix('use ')}"
+        )
+    return fix
 
 
 def _warn_not_carried(atoms_list: list[Atoms]) -> None:

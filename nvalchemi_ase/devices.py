@@ -12,6 +12,8 @@ __all__ = ["DtypeLike", "resolve_device", "resolve_dtype"]
 
 DtypeLike = torch.dtype | str | None
 
+_DEVICE_CHOICES = "'cpu', 'cuda', 'cuda:N' or None (CUDA when available)"
+
 _DTYPE_NAMES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -26,6 +28,10 @@ _DTYPE_NAMES = {
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """Return the torch device to run on.
 
+    nvalchemi's kernels (NVIDIA Warp) run on the CPU and on CUDA GPUs only, so
+    those are the choices: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (N below
+    ``torch.cuda.device_count()``), a ``torch.device`` of those, or ``None``.
+
     Parameters
     ----------
     device : torch.device or str or None
@@ -39,16 +45,45 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
     Raises
     ------
     ValueError
-        If CUDA is requested but not available.
+        For a device that is not the CPU or a CUDA GPU (``"mps"``, ``"bogus"``),
+        or CUDA requested but not available (or a GPU index that does not
+        exist); the supported choices are named.
+    TypeError
+        If ``device`` is neither a ``str``, a ``torch.device`` nor ``None``.
     """
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    if isinstance(device, str):
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise ValueError(
+                f"device={device!r} is not a device; use {_DEVICE_CHOICES}"
+            ) from None
+    elif isinstance(device, torch.device):
+        resolved = device
+    else:
+        raise TypeError(
+            f"device must be a str, a torch.device or None, got "
+            f"{type(device).__name__} ({device!r}); use {_DEVICE_CHOICES}"
+        )
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"device={str(device)!r} is not supported: nvalchemi's kernels (NVIDIA "
+            f"Warp) run on the CPU and CUDA GPUs only; use {_DEVICE_CHOICES}"
+        )
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
             f"device={str(device)!r} was requested but CUDA is not available on "
             "this machine; use device='cpu' or device=None (CUDA when available)"
         )
+    if resolved.type == "cuda" and resolved.index is not None:
+        count = torch.cuda.device_count()
+        if resolved.index >= count:
+            raise ValueError(
+                f"device={str(device)!r}: this machine has {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1}); use one of them or device='cuda'"
+            )
     return resolved
 
 

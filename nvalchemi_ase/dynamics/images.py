@@ -8,15 +8,19 @@ before any engine is built, and every error names the structure and the fix.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from ase import Atoms
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase.calculator import NVAlchemiCalculator
+from nvalchemi_ase.convert import check_images
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
 from nvalchemi_ase.models import model_native_dtype, resolve_model
 
@@ -27,6 +31,9 @@ __all__ = [
     "CellFilterSpec",
     "ModelSetup",
     "check_constraints",
+    "integer_argument",
+    "real_argument",
+    "real_arguments",
     "resolve_images",
     "resolve_model_setup",
 ]
@@ -194,6 +201,8 @@ def resolve_model_setup(
     model: BaseModelMixin | str | None,
     device: torch.device | str | None,
     dtype: DtypeLike,
+    *,
+    neighbor_skin: float = 0.0,
 ) -> ModelSetup:
     """Find the model, device and dtype a run uses.
 
@@ -213,6 +222,9 @@ def resolve_model_setup(
         Explicit device.
     dtype : torch.dtype or str or None
         Explicit precision.
+    neighbor_skin : float
+        Verlet skin of the run's neighbour list, Å; the cell heights are checked
+        against the model's cutoff plus this.
 
     Returns
     -------
@@ -224,6 +236,9 @@ def resolve_model_setup(
     ------
     ValueError
         If no model can be found, or the structures disagree about it.
+    nvalchemi_ase.convert.StructureError
+        For a structure the model cannot run (see
+        :func:`~nvalchemi_ase.convert.check_images`), before anything is built.
     """
     calculators = [atoms.calc for atoms in atoms_list]
     for index, calc in enumerate(calculators):
@@ -251,6 +266,7 @@ def resolve_model_setup(
                 "object than the run's; share one model (or one calculator) between "
                 "all structures"
             )
+    check_images(atoms_list, model=resolved, skin=neighbor_skin)
     reference = ours[0] if ours else None
     run_device = (
         resolve_device(device)
@@ -275,3 +291,110 @@ def resolve_model_setup(
     )
     # the calculator's model: the user's object, or its copy on device/dtype
     return ModelSetup(calculator.model, run_device, run_dtype, calculator)
+
+
+def real_argument(name: str, value: Any, unit: str) -> float:
+    """Return a scalar argument as a float, refusing strings and booleans.
+
+    ``float("1")`` works, so without this a timestep given as the string ``"1"``
+    would silently run with 1 ASE time unit.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the message.
+    value : Any
+        A real number (Python, NumPy, or a 0-d array/tensor).
+    unit : str
+        Its unit, for the message (e.g. ``"ASE time units"``).
+
+    Returns
+    -------
+    float
+        The value (not range-checked).
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is not a real number, naming the argument and its unit.
+    """
+    array = _numeric(name, value, unit, "a real number")
+    if array.ndim != 0:
+        raise TypeError(
+            f"{name} must be one number ({unit}), got an array of shape {array.shape}"
+        )
+    return float(array)
+
+
+def real_arguments(name: str, value: Any, unit: str) -> npt.NDArray[np.float64]:
+    """Return a number or a sequence of numbers as float64, refusing strings.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the message.
+    value : Any
+        A real number or an array-like of them (e.g. one per structure).
+    unit : str
+        Its unit, for the message.
+
+    Returns
+    -------
+    numpy.ndarray
+        float64, the shape of ``value`` (not range-checked).
+
+    Raises
+    ------
+    TypeError
+        If ``value`` holds anything but real numbers (strings, booleans,
+        objects), naming the argument and its unit.
+    """
+    return _numeric(name, value, unit, "a real number or one per structure").astype(
+        np.float64
+    )
+
+
+def integer_argument(name: str, value: Any, what: str = "a count") -> int:
+    """Return an integer argument as an int, refusing strings, booleans and floats.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the message.
+    value : Any
+        A Python or NumPy integer.
+    what : str
+        What the integer counts, for the message.
+
+    Returns
+    -------
+    int
+        The value (not range-checked).
+
+    Raises
+    ------
+    TypeError
+        If ``value`` is not an integer.
+    """
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be an integer ({what}), got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return int(value)
+
+
+def _numeric(name: str, value: Any, unit: str, expected: str) -> npt.NDArray[Any]:
+    problem = isinstance(value, str | bytes | bool | np.bool_) or value is None
+    array = None
+    if not problem:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError):  # ragged sequences and the like
+            problem = True
+    if problem or array is None or array.dtype.kind not in "iuf":
+        raise TypeError(
+            f"{name} must be {expected} ({unit}), got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return array

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ase.optimize.optimize import Log
 from ase.parallel import world
+
+from nvalchemi_ase.dynamics.trajectory import check_distinct_paths, expand_template
 
 __all__ = ["internal", "is_template", "open_log", "per_structure_targets"]
 
@@ -29,8 +32,31 @@ def is_template(logfile: Any) -> bool:
 
 
 def per_structure_targets(logfile: str, count: int) -> list[str]:
-    """Expand a ``{i}`` template into one path per structure."""
-    return [logfile.format(i=index) for index in range(count)]
+    """Expand a ``{i}`` template into one path per structure.
+
+    Parameters
+    ----------
+    logfile : str
+        A template such as ``"md_{i}.log"``.
+    count : int
+        Number of structures B.
+
+    Returns
+    -------
+    list of str
+        B paths.
+
+    Raises
+    ------
+    ValueError
+        If the template has other fields, or two structures would share a file.
+    FileNotFoundError
+        If a path's directory does not exist (ASE's ``Log`` would raise it too,
+        without naming the structure).
+    """
+    paths = [expand_template(logfile, index, "logfile") for index in range(count)]
+    check_distinct_paths([Path(path) for path in paths], "logfile")
+    return paths
 
 
 def open_log(logfile: Any) -> Log:

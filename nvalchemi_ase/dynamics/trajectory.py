@@ -6,10 +6,18 @@ structure), or, for a single structure, one path or ``Trajectory``. As in ASE,
 a path is deleted when the dynamics object is created unless
 ``append_trajectory=True``; frames carry the calculator results (energy, forces,
 stress where defined), so ``ase gui`` and ``ase.io.read`` show them.
+
+Targets are checked when the dynamics object is created, before any file is
+touched: two structures may not share a file (``[p, p]``, ``"a.traj"`` and
+``"./a.traj"``, a template whose expansion repeats, or one open ``Trajectory``
+given twice) because interleaved frames make the file unreadable, and a path's
+directory must exist (``FileNotFoundError``, which ASE's ``Trajectory`` raises
+when it opens the file; ASE 3.29's dynamics open it only when the run starts).
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from os import PathLike
 from pathlib import Path
@@ -19,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from ase import Atoms
 
-__all__ = ["TrajectorySet"]
+__all__ = ["TrajectorySet", "check_distinct_paths", "expand_template"]
 
 TrajectorySpec = str | PathLike[str] | Any | Sequence[str | PathLike[str] | Any] | None
 
@@ -48,6 +56,7 @@ class TrajectorySet:
         description: Callable[[], dict[str, Any]],
     ) -> None:
         self._targets = _expand(spec, count)
+        _check_targets(self._targets)
         self._description = description
         self._writers: dict[int, Any] = {}
         if not append:
@@ -116,7 +125,10 @@ def _expand(spec: TrajectorySpec, count: int) -> list[Any]:
     if isinstance(spec, str | PathLike):
         text = str(spec)
         if "{i" in text:
-            return [Path(text.format(i=index)) for index in range(count)]
+            return [
+                Path(expand_template(text, index, "trajectory"))
+                for index in range(count)
+            ]
         if count != 1:
             raise ValueError(
                 f"trajectory={text!r} is one file for {count} structures; use a "
@@ -137,3 +149,99 @@ def _expand(spec: TrajectorySpec, count: int) -> list[Any]:
             "one path or Trajectory per structure"
         )
     return [t if hasattr(t, "write") else Path(t) for t in targets]
+
+
+def expand_template(template: str, index: int, what: str) -> str:
+    """Return a ``{i}`` path template for structure ``index``.
+
+    Parameters
+    ----------
+    template : str
+        E.g. ``"md_{i}.traj"`` or ``"md_{i:03d}.traj"``.
+    index : int
+        The structure's index in ``images``.
+    what : str
+        ``"trajectory"`` or ``"logfile"``, for the message.
+
+    Returns
+    -------
+    str
+        The path.
+
+    Raises
+    ------
+    ValueError
+        If the template has other fields (``{index}``, ``{}``) or a bad format.
+    """
+    try:
+        return template.format(i=index)
+    except (KeyError, IndexError, ValueError) as error:
+        raise ValueError(
+            f"{what}={template!r} cannot be expanded with i={index} ({error!r}); "
+            "the only field is {i}, e.g. 'md_{i}.traj' or 'md_{i:03d}.traj'"
+        ) from None
+
+
+def check_distinct_paths(paths: Sequence[Path | None], what: str) -> None:
+    """Raise unless the structures' files are distinct and their folders exist.
+
+    Parameters
+    ----------
+    paths : sequence of Path or None
+        One per structure (None: not a file, skipped).
+    what : str
+        ``"trajectory"`` or ``"logfile"``, for the message.
+
+    Raises
+    ------
+    ValueError
+        If two structures would write the same file (after resolving ``.``,
+        ``..`` and symbolic links).
+    FileNotFoundError
+        If a path's directory does not exist.
+    IsADirectoryError
+        If a path is an existing directory.
+    """
+    seen: dict[Path, int] = {}
+    for index, path in enumerate(paths):
+        if path is None:
+            continue
+        resolved = path.resolve()
+        first = seen.setdefault(resolved, index)
+        if first != index:
+            raise ValueError(
+                f"{what}: images[{first}] and images[{index}] would both write "
+                f"{str(path)!r}, and interleaved frames leave an unreadable file; "
+                "give each structure its own path (a template such as "
+                "'md_{i}.traj')"
+            )
+        if not resolved.parent.is_dir():
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{what} for images[{index}]: directory {str(path.parent)!r} does "
+                "not exist; create it first (os.makedirs) or choose another path",
+                str(path),
+            )
+        if resolved.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"{what} for images[{index}] is a directory; give a file path",
+                str(path),
+            )
+
+
+def _check_targets(targets: list[Any]) -> None:
+    check_distinct_paths(
+        [t if isinstance(t, Path) else None for t in targets], "trajectory"
+    )
+    seen: dict[int, int] = {}
+    for index, target in enumerate(targets):
+        if isinstance(target, Path):
+            continue
+        first = seen.setdefault(id(target), index)
+        if first != index:
+            raise ValueError(
+                f"trajectory: images[{first}] and images[{index}] were given the "
+                "same open Trajectory; frames of two structures in one file cannot "
+                "be told apart. Give each structure its own trajectory"
+            )

@@ -19,15 +19,33 @@ name               model                                       parameters (units
                    weights, batched; extra ``sevennet``
                    (weights ship in the ``sevenn`` wheel)
 =================  ==========================================  =====================
+
+Parameters are checked by name and type before the model is built (a string
+such as ``epsilon="abc"`` is a ``TypeError`` naming the parameter and its unit).
+
+**Supported elements.** :func:`supported_elements` tells which atomic numbers a
+model can evaluate, and :func:`nvalchemi_ase.convert.check_images` (run by the
+calculator and every dynamics object before any work) refuses structures with
+other elements, naming the structure and the atom. A model declares its set
+with an attribute, which any user model can set too::
+
+    model.supported_elements = frozenset({1, 6, 7, 8})  # H, C, N, O
+
+``None`` (or no attribute) means any element. SevenNet-0 declares the 89
+elements of its checkpoint's type map; nvalchemi's demo model embeds the atomic
+number itself (``DemoModel(num_atom_types=100)``: 1-99); Lennard-Jones ignores
+atomic numbers (None).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvalchemi_ase.convert import _supported_elements
 from nvalchemi_ase.models import builtin, sevennet
 
 if TYPE_CHECKING:
@@ -39,6 +57,7 @@ __all__ = [
     "load_model",
     "model_native_dtype",
     "resolve_model",
+    "supported_elements",
 ]
 
 _FACTORIES: dict[str, Callable[..., BaseModelMixin]] = {
@@ -83,13 +102,23 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
         When the model's optional package is missing (the extra to install is
         named).
     TypeError
-        For a parameter the model does not take.
+        For a parameter the model does not take, or a value of the wrong type
+        (the parameter and the expected type are named).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"model name must be a str, got {type(name).__name__}")
     factory = _FACTORIES.get(name.lower())
     if factory is None:
         raise ValueError(
             f"unknown model {name!r}; known models: {', '.join(available_models())} "
             "(or pass any nvalchemi BaseModelMixin instance)"
+        )
+    accepted = list(inspect.signature(factory).parameters)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"{name}: unknown parameter(s) {unknown}; it takes "
+            f"{accepted if accepted else 'no parameters'}"
         )
     return factory(**params)
 
@@ -168,3 +197,28 @@ def model_native_dtype(model: BaseModelMixin) -> torch.dtype | None:
         if tensor.is_floating_point():
             return tensor.dtype
     return None
+
+
+def supported_elements(model: BaseModelMixin) -> frozenset[int] | None:
+    """Return the atomic numbers a model can evaluate, or None for any element.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        Any nvalchemi model.
+
+    Returns
+    -------
+    frozenset of int or None
+        ``model.supported_elements`` when the model declares it (an iterable of
+        atomic numbers; None means any); for nvalchemi's ``DemoModelWrapper``,
+        whose embedding is indexed by the atomic number, 1 to
+        ``num_atom_types - 1``; otherwise None (e.g. Lennard-Jones, which
+        ignores atomic numbers).
+
+    Raises
+    ------
+    TypeError
+        If ``model.supported_elements`` is not a collection of integers.
+    """
+    return _supported_elements(model)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import numbers
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,9 +45,13 @@ def lennard_jones(
     BaseModelMixin
         ``LennardJonesModelWrapper`` with energy, forces and (opt-in) stress.
     """
+    epsilon = _real("lj", "epsilon", epsilon, "eV")
+    sigma = _real("lj", "sigma", sigma, "Å")
+    cutoff = _real("lj", "cutoff", cutoff, "Å")
+    switch_width = _real("lj", "switch_width", switch_width, "Å")
     for name, value in (("epsilon", epsilon), ("sigma", sigma), ("cutoff", cutoff)):
-        if not value > 0:
-            raise ValueError(f"lj: {name} must be positive, got {value}")
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"lj: {name} must be positive and finite, got {value}")
     if not 0 <= switch_width < cutoff:
         raise ValueError(
             f"lj: switch_width must be in [0, cutoff={cutoff}), got {switch_width}"
@@ -73,8 +78,36 @@ def demo(seed: int = 0, hidden_dim: int = 64) -> BaseModelMixin:
         ``DemoModelWrapper(DemoModel(hidden_dim=hidden_dim))``: energy and
         autograd forces from a point cloud, no neighbour list, no PBC, no stress.
     """
+    seed = _integer("demo", "seed", seed)
+    hidden_dim = _integer("demo", "hidden_dim", hidden_dim)
+    if hidden_dim < 1:
+        raise ValueError(f"demo: hidden_dim must be >= 1, got {hidden_dim}")
     demo_module = import_quietly("nvalchemi.models.demo")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         network = demo_module.DemoModel(hidden_dim=hidden_dim)
     return demo_module.DemoModelWrapper(network)
+
+
+def _real(model: str, name: str, value: Any, unit: str) -> float:
+    """Return ``value`` as a float, or raise naming the parameter and its unit.
+
+    Strings are refused even when they parse (``--model lj:epsilon=abc`` gives
+    the string ``"abc"``; ``"1"`` would silently be a number of a guessed unit).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{model}: {name} must be a real number ({unit}), got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return float(value)
+
+
+def _integer(model: str, name: str, value: Any) -> int:
+    """Return ``value`` as an int, or raise naming the parameter."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{model}: {name} must be an integer, got {value!r} "
+            f"({type(value).__name__})"
+        )
+    return int(value)

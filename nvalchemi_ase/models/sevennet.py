@@ -281,6 +281,7 @@ class _SevenNetModule(torch.nn.Module):
 
     model_config: Any
     species_of_number: torch.Tensor
+    supported_elements: frozenset[int]
 
     def __init__(self, network: Any) -> None:
         super().__init__()
@@ -304,6 +305,9 @@ class _SevenNetModule(torch.nn.Module):
         for number, index in network.type_map.items():
             table[int(number)] = int(index)
         self.register_buffer("species_of_number", table, persistent=False)
+        #: Atomic numbers the checkpoint was trained on (its config's type map;
+        #: read by :func:`nvalchemi_ase.models.supported_elements`).
+        self.supported_elements = frozenset(int(z) for z in network.type_map)
         self.model_config = base.ModelConfig(
             outputs=frozenset({"energy", "forces", "stress"}),
             autograd_outputs=frozenset({"forces", "stress"}),
