@@ -661,6 +661,9 @@ def _edge_gradient(
     energy: torch.Tensor, edge_vectors: torch.Tensor, *, keep_graph: bool
 ) -> torch.Tensor:
     """∂E/∂r_ij [E, 3] (zero when a structure has no edges)."""
+    if not energy.requires_grad:
+        # no edge in the whole batch (isolated atoms): E does not depend on r_ij
+        return torch.zeros_like(edge_vectors)
     (gradient,) = torch.autograd.grad(
         energy.sum(),
         edge_vectors,
