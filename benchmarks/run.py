@@ -649,6 +649,8 @@ BENCHMARKS = {
     "calculator": calculator_overhead,
     "adapter": adapter_throughput,
     "scaling": scaling,
+    "runners": lambda s, r: importlib.import_module("benchmarks.runners").run(s, r),
+    "neb": lambda s, r: importlib.import_module("benchmarks.neb").neb_paths(s, r),
 }
 
 

@@ -74,7 +74,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -494,7 +494,9 @@ class Budget:
         )
         edges = count_edges(atoms, self.cutoff) if counted else 0.0
         memory = (
-            0.0 if self.estimate is None else self.estimate.bytes_for(natoms, edges)
+            0.0
+            if self.estimate is None
+            else self.estimate.bytes_for(len(atoms), edges)
         )
         return np.array([natoms, edges, memory])
 
@@ -618,7 +620,7 @@ class _Runner:
         self.slots: list[_Slot] = []
         self.finished = np.zeros(0, dtype=bool)
         self.opt: Any = None
-        self._run: Iterator[bool] | None = None
+        self._run: Generator[bool, None, None] | None = None
         #: Largest number of structures in flight so far.
         self.peak = 0
 

@@ -15,12 +15,13 @@ EXPECTED = {
     "03_md_observers_hooks.py": ["langevin_0.traj"],
     "04_custom_integrator.py": ["verlet_0.traj", "bussi_0.traj"],
     "05_analysis.py": ["npt.png", "npt_3.traj"],
+    "06_neb.py": ["neb_bands.png", "neb.traj"],
 }
 
 
-def test_all_five_tutorials_exist():
+def test_all_six_tutorials_exist():
     numbers = [path.name[:2] for path in TUTORIALS]
-    assert numbers == ["01", "02", "03", "04", "05"]
+    assert numbers == ["01", "02", "03", "04", "05", "06"]
 
 
 @pytest.mark.slow
