@@ -494,9 +494,7 @@ class Budget:
         )
         edges = count_edges(atoms, self.cutoff) if counted else 0.0
         memory = (
-            0.0
-            if self.estimate is None
-            else self.estimate.bytes_for(len(atoms), edges)
+            0.0 if self.estimate is None else self.estimate.bytes_for(len(atoms), edges)
         )
         return np.array([natoms, edges, memory])
 
