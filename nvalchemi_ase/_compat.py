@@ -121,6 +121,15 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         (),
         "build a Batch from stacked arrays in one pass (validate=False)",
     ),
+    PrivateMember(
+        "nvalchemi.models.base",
+        "BaseModelMixin",
+        "_validate_derivative_request",
+        ("request",),
+        "wrapper hook that admits analytic Hessians; properties.vibrations' tests "
+        "override it on the demo model to check compute_hessian against finite "
+        "differences",
+    ),
 )
 
 # Attributes (not callables) read or written; checked on live objects.

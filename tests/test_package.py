@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import nvalchemi_ase
 
 PACKAGE = Path(nvalchemi_ase.__file__).parent
@@ -25,6 +27,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and nvalchemi (~10 s of CPU)
 def test_import_is_lazy_silent_and_leaves_warning_filters_alone():
     code = """
 import sys, warnings
@@ -99,12 +102,20 @@ LAYERS = [
         "nvalchemi_ase.devices",
         "nvalchemi_ase._quiet",
         "nvalchemi_ase._compat",
+        "nvalchemi_ase.typing",
     ),
     ("nvalchemi_ase.convert",),
     ("nvalchemi_ase.models", "nvalchemi_ase.calculator"),
     ("nvalchemi_ase.dynamics", "nvalchemi_ase.engines"),
     ("nvalchemi_ase.md", "nvalchemi_ase.optimize", "nvalchemi_ase.wrap"),
-    ("nvalchemi_ase.compose", "nvalchemi_ase.testing", "nvalchemi_ase.plotting"),
+    (
+        "nvalchemi_ase.compose",
+        "nvalchemi_ase.mep",
+        "nvalchemi_ase.properties",
+        "nvalchemi_ase.runners",
+        "nvalchemi_ase.testing",
+        "nvalchemi_ase.plotting",
+    ),
     ("nvalchemi_ase.cli", "nvalchemi_ase._ase_plugin", "nvalchemi_ase.__main__"),
 ]
 # Imports that cross a layer boundary upwards on purpose, inside a function.
@@ -214,6 +225,15 @@ sys.modules["ase._4.plugins.plugin"] = None  # makes the import fail
 import nvalchemi_ase._ase_plugin as plugin
 assert plugin.__ase_plugins__ == set()
 assert "torch" not in sys.modules
+"""
+    run_python(code)
+
+
+def test_type_aliases_import_neither_torch_nor_nvalchemi():
+    code = """
+import sys
+from nvalchemi_ase.typing import ImagesLike, ModelLike, DeviceLike, TrajectoryLike
+assert "torch" not in sys.modules and "nvalchemi" not in sys.modules
 """
     run_python(code)
 

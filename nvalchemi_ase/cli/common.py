@@ -255,6 +255,10 @@ def _frame_numbers(name: str, index: str, count: int) -> list[int]:
     from ase.io.formats import string2index
 
     selection = string2index(index or ":")
+    if isinstance(selection, str):
+        # a database query (``file.db@key=value``): no frame numbers in a file,
+        # so the frames are numbered within the selection
+        return list(range(count))
     if isinstance(selection, slice):
         start, step = selection.start or 0, selection.step or 1
         if start >= 0 and step > 0:

@@ -23,6 +23,10 @@ _COMMANDS = (
     ("calc", "nvalchemi_ase.cli.calc", "single points for every input frame, batched"),
     ("relax", "nvalchemi_ase.cli.relax", "relax every input structure, batched"),
     ("md", "nvalchemi_ase.cli.md", "molecular dynamics of every input, batched"),
+    ("eos", "nvalchemi_ase.cli.eos", "equations of state of every input, batched"),
+    ("elastic", "nvalchemi_ase.cli.elastic", "elastic constants, batched"),
+    ("phonons", "nvalchemi_ase.cli.phonons", "phonons (phonopy) of every input"),
+    ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
     (
         "demo",
         "nvalchemi_ase.cli.demo",

@@ -1,0 +1,40 @@
+"""Batched property workflows: EOS, elastic constants, phonons, vibrations.
+
+Every function takes a list of materials and a model (a name, an nvalchemi
+model or an :class:`~nvalchemi_ase.calculator.NVAlchemiCalculator`), builds
+every derived structure of every material (scaled, strained or displaced
+cells), evaluates them all in batched ``calculate_batch`` calls or relaxes
+them all in one batched optimizer run (each converging on its own), and
+returns one result per material, in input order. A material whose structures
+fail is returned with ``error`` set; the others finish.
+
+=========================  ==================================  ===================
+function                   result (units)                      library for the fit
+=========================  ==================================  ===================
+``equation_of_state``      V0 Å³, E0 eV, B GPa, raw (V, E)     ``ase.eos``
+``elastic_constants``      C 6x6 GPa, K/G Voigt-Reuss-Hill     least squares (as
+                           GPa                                 matscipy)
+``phonons``                force constants eV/Å², THz on a     phonopy (extra
+                           path and a mesh, DOS                ``properties``)
+``vibrations``             Hessian eV/Å², cm⁻¹ / THz           ``ase.vibrations``
+=========================  ==================================  ===================
+"""
+
+from __future__ import annotations
+
+from nvalchemi_ase.properties.elastic import ElasticResult, elastic_constants, moduli
+from nvalchemi_ase.properties.eos import EOSResult, equation_of_state
+from nvalchemi_ase.properties.phonons import PhononResult, phonons
+from nvalchemi_ase.properties.vibrations import VibrationResult, vibrations
+
+__all__ = [
+    "EOSResult",
+    "ElasticResult",
+    "PhononResult",
+    "VibrationResult",
+    "elastic_constants",
+    "equation_of_state",
+    "moduli",
+    "phonons",
+    "vibrations",
+]

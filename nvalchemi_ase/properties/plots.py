@@ -1,0 +1,166 @@
+"""PNG plots of property results: E(V) with its fit, phonon bands and DOS.
+
+Figures are ``matplotlib.figure.Figure`` objects rendered straight to PNG, so
+no display is needed and the caller's pyplot backend and figure list are left
+alone (as :mod:`nvalchemi_ase.plotting`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure as FigureType
+
+    from nvalchemi_ase.properties.eos import EOSResult
+    from nvalchemi_ase.properties.phonons import PhononResult
+
+__all__ = ["plot_eos", "plot_phonons"]
+
+
+def plot_eos(result: EOSResult, path: str | Path, *, title: str | None = None) -> Path:
+    """Energy against volume, the fitted curve and V0.
+
+    Parameters
+    ----------
+    result : EOSResult
+        A computed (``ok``) equation of state.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If the result has no fit (a failed material).
+    """
+    from matplotlib.figure import Figure
+
+    if result.fit is None or result.v0 is None or result.volumes is None:
+        raise ValueError(f"no EOS fit to plot ({result.error or 'not computed'})")
+    _, _, _, _, fit_v, fit_e, _, _ = result.fit.getplotdata()
+    figure = Figure(figsize=(5.0, 3.8), layout="constrained")
+    axes = figure.add_subplot()
+    axes.plot(fit_v, fit_e, "-", color="C0", label=f"{result.eos} fit")
+    axes.plot(
+        result.volumes, np.asarray(result.energies), "o", color="C1", label="computed"
+    )
+    axes.axvline(result.v0, color="0.6", lw=0.8, ls="--")
+    axes.set_xlabel("volume [Å³]")
+    axes.set_ylabel("energy [eV]")
+    axes.set_title(title or result.formula)
+    axes.legend(loc="upper center", frameon=False)
+    axes.text(
+        0.98,
+        0.04,
+        f"V0 = {result.v0:.3f} Å³\nE0 = {result.e0:.4f} eV\nB = {result.B:.2f} GPa",
+        transform=axes.transAxes,
+        ha="right",
+        va="bottom",
+        fontsize=8,
+    )
+    return _save(figure, path)
+
+
+def plot_phonons(
+    result: PhononResult, path: str | Path, *, title: str | None = None
+) -> Path:
+    """Phonon band structure and density of states (either or both).
+
+    Parameters
+    ----------
+    result : PhononResult
+        A computed (``ok``) phonon result with a band path and/or a mesh.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If there is neither a band structure nor a DOS.
+    """
+    from matplotlib.figure import Figure
+
+    has_band = result.band_frequencies is not None
+    has_dos = result.dos is not None
+    if not (has_band or has_dos):
+        raise ValueError(
+            f"no band structure or DOS to plot ({result.error or 'none computed'})"
+        )
+    figure = Figure(figsize=(7.0 if has_band else 4.0, 4.0), layout="constrained")
+    widths = [3, 1] if has_band and has_dos else [1]
+    grid = figure.add_gridspec(1, len(widths), width_ratios=widths, wspace=0.02)
+    band_axes = figure.add_subplot(grid[0]) if has_band else None
+    if band_axes is not None:
+        _draw_band(band_axes, result)
+    if has_dos:
+        dos_axes = figure.add_subplot(
+            grid[-1], sharey=band_axes if band_axes is not None else None
+        )
+        dos_axes.plot(
+            np.asarray(result.dos),
+            np.asarray(result.dos_frequencies),
+            color="C0",
+            lw=1.0,
+        )
+        dos_axes.set_xlabel("DOS [1/THz]")
+        dos_axes.set_xlim(left=0.0)
+        if band_axes is not None:
+            dos_axes.tick_params(labelleft=False)
+        else:
+            dos_axes.set_ylabel("frequency [THz]")
+    figure.suptitle(title or result.formula)
+    return _save(figure, path)
+
+
+def _draw_band(axes: Axes, result: PhononResult) -> None:
+    """Bands against path distance; a jump between segments is not joined."""
+    x = np.asarray(result.band_x, dtype=float)
+    frequencies = np.asarray(result.band_frequencies, dtype=float)
+    breaks = np.flatnonzero(np.diff(x) == 0.0) + 1  # ASE repeats x at a jump
+    for segment_x, segment_f in zip(
+        np.split(x, breaks), np.split(frequencies, breaks), strict=True
+    ):
+        axes.plot(segment_x, segment_f, color="C0", lw=1.0)
+    ticks: list[float] = []
+    labels: list[str] = []
+    special = np.asarray(
+        [] if result.band_special_x is None else result.band_special_x, dtype=float
+    )
+    for position, label in zip(special, result.band_labels or [], strict=True):
+        name = "Γ" if label == "G" else label
+        if ticks and position == ticks[-1]:
+            labels[-1] = f"{labels[-1]}|{name}"
+            continue
+        ticks.append(float(position))
+        labels.append(name)
+    for position in ticks:
+        axes.axvline(position, color="0.7", lw=0.6)
+    axes.axhline(0.0, color="0.4", lw=0.6, ls=":")
+    axes.set_xticks(ticks, labels)
+    axes.set_xlim(x[0], x[-1])
+    axes.set_ylabel("frequency [THz]")
+
+
+def _save(figure: FigureType, path: str | Path) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(target, format="png", dpi=120)
+    return target
