@@ -1,14 +1,18 @@
 # Two commands for a newcomer on a fresh machine (both idempotent):
 #   make demo   create .venv if missing, install the package, run the main job
-#   make test   same .venv, install the test extras, run the test suite
+#   make test   same .venv, install the test extras, mypy, the whole test suite
+#               (the suite runs ruff itself: tests/test_package.py)
+#   make test-fast   the suite without tests marked slow (< 2 min), for iterating
 # pip (not uv): pip takes the torch builds cached on this machine.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
+# extra pytest arguments, e.g. make test-fast PYTEST_ARGS="--durations=15 -x"
+PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +30,16 @@ demo: $(VENV)/.installed
 	$(PY) -m nvalchemi_ase demo
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest
+	$(PY) -m mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-test
 	$(PY) -m benchmarks
 
 lint: $(VENV)/.installed-test
-	$(PIP) install --quiet ruff mypy
 	$(PY) -m ruff check nvalchemi_ase tests tutorials
 	$(PY) -m ruff format --check nvalchemi_ase tests tutorials
 	$(PY) -m mypy

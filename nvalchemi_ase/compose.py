@@ -32,6 +32,7 @@ from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
 __all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD"]
 
@@ -70,8 +71,8 @@ class RelaxThenMD(BatchedDynamics):
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
-        trajectory: Any = None,
-        logfile: Any = None,
+        trajectory: TrajectoryLike = None,
+        logfile: LogfileLike = None,
         loginterval: int = 1,
     ) -> None:
         _check_parts(optimizer, md)

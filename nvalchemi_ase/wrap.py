@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["md_class", "optimizer_class"]
@@ -65,10 +66,10 @@ def md_class(
     class WrappedMD(BatchedMolecularDynamics):
         def __init__(
             self,
-            images: Any,
+            images: ImagesLike,
             timestep: float,
-            trajectory: Any = None,
-            logfile: Any = None,
+            trajectory: TrajectoryLike = None,
+            logfile: LogfileLike = None,
             loginterval: int = 1,
             *,
             engine_options: dict[str, Any] | None = None,
@@ -119,10 +120,10 @@ def optimizer_class(
     class WrappedOptimizer(BatchedOptimizer):
         def __init__(
             self,
-            images: Any,
-            restart: Any = None,
-            logfile: Any = "-",
-            trajectory: Any = None,
+            images: ImagesLike,
+            restart: str | None = None,
+            logfile: LogfileLike = "-",
+            trajectory: TrajectoryLike = None,
             *,
             engine_options: dict[str, Any] | None = None,
             **kwargs: Any,

@@ -21,8 +21,8 @@ from tests._tolerances import (
     FD_STRAIN,
     FD_STRESS_ATOL,
 )
+from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import CATALOGUE, cluster, rattled_bulk, slab
-from tests.test_convert import assert_same_snapshot, snapshot
 
 FULL_CELL = {"bulk", "triclinic", "one_atom", "small_cell", "left_handed"}
 
@@ -48,7 +48,18 @@ def cutoff_shift(atoms) -> float:
     return -n_pairs * u_rc
 
 
-@pytest.mark.parametrize("name", sorted(CATALOGUE))
+# the 108-atom crystal and the 55-atom cluster (72 and 66 model calls) run in the
+# full suite; the slab, left-handed and small cells keep the check in the fast one
+FD_FORCES_SLOW = {"bulk", "cluster"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in FD_FORCES_SLOW else name
+        for name in sorted(CATALOGUE)
+    ],
+)
 def test_forces_match_finite_differences(name, lj_calc64):
     atoms = CATALOGUE[name]()
     atoms.calc = lj_calc64
@@ -93,7 +104,9 @@ def test_golden_reference_ase_lennard_jones(name, dtype, calc_by_dtype):
         )
 
 
-@pytest.mark.parametrize("optimizer", [BFGS, FIRE])
+@pytest.mark.parametrize(
+    "optimizer", [pytest.param(BFGS, marks=pytest.mark.slow), FIRE]
+)
 def test_ase_optimizers_reach_the_same_minimum_as_with_ase_lj(optimizer, lj_calc64):
     atoms = cluster()
     atoms.rattle(0.1, seed=11)
@@ -299,12 +312,13 @@ def test_default_dtype_follows_the_model():
 
 
 @pytest.mark.gpu
-def test_cuda_matches_cpu(lj_calc64):
+def test_cuda_matches_cpu():
+    # its own calculators: the session's shared ``lj_calc64`` is never touched
     images = [rattled_bulk(repeat=3), slab(), cluster()]
-    gpu = NVAlchemiCalculator(lj_calc64.model, device="cuda", dtype="float64")
+    cpu = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    gpu = NVAlchemiCalculator(cpu.model, device="cuda", dtype="float64")
     on_gpu = gpu.calculate_batch(images, ["energy", "forces"])
-    lj_calc64.model.to("cpu")
-    on_cpu = lj_calc64.calculate_batch(images, ["energy", "forces"])
+    on_cpu = cpu.calculate_batch(images, ["energy", "forces"])
     for a, b in zip(on_gpu, on_cpu, strict=True):
         assert a["energy"] == pytest.approx(b["energy"], rel=1e-10)
         np.testing.assert_allclose(a["forces"], b["forces"], atol=1e-10)

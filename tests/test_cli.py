@@ -239,6 +239,7 @@ def test_partial_results_stay_on_disk_after_a_failure(tmp_path, capsys, monkeypa
     assert not output.exists()
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_help_is_fast_and_names_units():
     result = subprocess.run(
         [sys.executable, "-m", "nvalchemi_ase", "--help"],

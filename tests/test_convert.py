@@ -20,6 +20,7 @@ from nvalchemi_ase.convert import (
     batch_to_atoms,
     update_atoms,
 )
+from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import CATALOGUE, cluster, rattled_bulk, slab, thermalize
 
 
@@ -41,29 +42,6 @@ def mixed_images() -> list[Atoms]:
     single = CATALOGUE["one_atom"]()
     lefty = CATALOGUE["left_handed"]()
     return [crystal, surface, mol, single, lefty]
-
-
-def snapshot(atoms: Atoms) -> dict:
-    return {
-        "arrays": {k: v.copy() for k, v in atoms.arrays.items()},
-        "cell": atoms.cell.array.copy(),
-        "pbc": atoms.pbc.copy(),
-        "info": dict(atoms.info),
-        "constraints": [c.todict() for c in atoms.constraints],
-        "calc": atoms.calc,
-    }
-
-
-def assert_same_snapshot(before: dict, atoms: Atoms) -> None:
-    after = snapshot(atoms)
-    assert before["arrays"].keys() == after["arrays"].keys()
-    for key, value in before["arrays"].items():
-        np.testing.assert_array_equal(value, after["arrays"][key])
-    np.testing.assert_array_equal(before["cell"], after["cell"])
-    np.testing.assert_array_equal(before["pbc"], after["pbc"])
-    assert before["info"] == after["info"]
-    assert before["constraints"] == after["constraints"]
-    assert before["calc"] is after["calc"]
 
 
 def test_round_trip_keeps_every_carried_field():
@@ -170,6 +148,7 @@ def test_velocities_are_angstrom_per_ase_time_for_nvalchemis_integrator():
     """Free atoms (beyond the cutoff) move by v * timestep under nvalchemi's NVE."""
     from nvalchemi.dynamics import NVE
 
+    from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
     from nvalchemi_ase.models import load_model
     from nvalchemi_ase.units import ase_time_to_fs
 
@@ -178,7 +157,10 @@ def test_velocities_are_angstrom_per_ase_time_for_nvalchemis_integrator():
     timestep = 1.5 * units.fs
     model = load_model("lj").to(dtype=torch.float64)
     batch = atoms_to_batch(atoms, device="cpu")
-    engine = NVE(model, dt=ase_time_to_fs(timestep), hooks=model.make_neighbor_hooks())
+    # the eager list hook: nvalchemi's own (model.make_neighbor_hooks()) is
+    # torch.compile'd, tens of seconds on a CPU for the same list
+    hooks = neighbor_hooks(model, skin=1.0)
+    engine = NVE(model, dt=ase_time_to_fs(timestep), hooks=hooks)
     engine.run(batch, n_steps=1)
     moved = batch.positions.numpy() - atoms.positions
     np.testing.assert_allclose(moved, atoms.get_velocities() * timestep, rtol=1e-12)

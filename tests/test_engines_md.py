@@ -25,8 +25,8 @@ from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.md import Andersen, Bussi, NVTBerendsen
 from nvalchemi_ase.units import ase_time_to_fs
 from nvalchemi_ase.wrap import md_class
+from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import rattled_bulk, thermalize
-from tests.test_convert import assert_same_snapshot, snapshot
 
 BERENDSEN_VELOCITY_TOL = 1e-10  # Å/ASE-time over 100 steps (velocities ~5e-2)
 MEAN_T_RTOL = 0.02  # <T> within 2 % of the target: several standard errors here

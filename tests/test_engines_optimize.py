@@ -15,8 +15,8 @@ from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.optimize import BFGS, MDMin
+from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import A_AR, cluster, rattled_bulk
-from tests.test_convert import assert_same_snapshot, snapshot
 
 COMPARED_STEPS = 20  # the first 20 steps are compared with ASE's path
 PATH_TOL = 1e-8  # Å, ours vs ASE per step: same algorithm in float64
@@ -51,8 +51,10 @@ def largest_step_difference(ours, theirs):
 @pytest.mark.parametrize(
     ("ours", "theirs", "kwargs"),
     [
-        (BFGS, AseBFGS, {}),
-        (BFGS, AseBFGS, {"maxstep": 0.05, "alpha": 30.0}),
+        pytest.param(BFGS, AseBFGS, {}, marks=pytest.mark.slow),
+        pytest.param(
+            BFGS, AseBFGS, {"maxstep": 0.05, "alpha": 30.0}, marks=pytest.mark.slow
+        ),
         (MDMin, AseMDMin, {}),
         (MDMin, AseMDMin, {"dt": 0.1, "maxstep": 0.05}),
     ],
@@ -70,7 +72,10 @@ def test_path_and_step_count_match_ase(ours, theirs, kwargs, lj_calc64):
     assert optimizer.nsteps == expected_steps
 
 
-@pytest.mark.parametrize(("ours", "theirs"), [(BFGS, AseBFGS), (MDMin, AseMDMin)])
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [pytest.param(BFGS, AseBFGS, marks=pytest.mark.slow), (MDMin, AseMDMin)],
+)
 def test_frozen_atoms_match_ases_fixatoms(ours, theirs, lj_calc64):
     start = rattled_bulk(repeat=2, seed=3, stdev=0.1)
     start.set_constraint(FixAtoms(indices=[0, 4, 9]))
@@ -97,7 +102,9 @@ def mixed_sizes():
     return images
 
 
-@pytest.mark.parametrize("optimizer_class", [BFGS, MDMin])
+@pytest.mark.parametrize(
+    "optimizer_class", [pytest.param(BFGS, marks=pytest.mark.slow), MDMin]
+)
 def test_batching_changes_nothing(optimizer_class, lj_calc64):
     """Each structure of a mixed-size batch follows its own single-structure path."""
     images = mixed_sizes()
@@ -127,6 +134,7 @@ def test_batching_changes_nothing(optimizer_class, lj_calc64):
         np.testing.assert_array_equal(paths[index][-1], paths[index][len(own) - 1])
 
 
+@pytest.mark.slow
 def test_stopped_structures_resume_where_ase_would(lj_calc64):
     """A second run (tighter fmax) continues each structure exactly as ASE does."""
     images = mixed_sizes()[:2]
@@ -153,7 +161,9 @@ def engine_on(images, engine, model):
     return batch
 
 
-@pytest.mark.parametrize("name", ["BFGS", "MDMin"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("BFGS", marks=pytest.mark.slow), "MDMin"]
+)
 def test_graphs_past_exit_status_keep_state_and_positions(name, lj_calc64):
     engines = import_quietly("nvalchemi_ase.engines")
     model = lj_calc64.model

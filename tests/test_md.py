@@ -17,8 +17,8 @@ from nvalchemi_ase.md import (
     NoseHooverChainNVT,
     VelocityVerlet,
 )
+from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import cluster, rattled_bulk, slab, thermalize
-from tests.test_convert import assert_same_snapshot, snapshot
 
 VERLET_POSITION_TOL = 1e-10  # Å after 200 steps, float64 (measured ~1e-14: round-off)
 
@@ -29,6 +29,7 @@ def smooth_lj():
     return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
 
 
+@pytest.mark.slow  # 200 batched steps, then 4 x 200 single-structure ASE steps
 def test_velocity_verlet_matches_ase_for_each_structure_of_a_batch(lj_calc64):
     images = [
         thermalize(rattled_bulk(repeat=2, seed=1), 60.0, seed=1),

@@ -148,6 +148,7 @@ def _reference_results(atoms: Atoms, reference) -> dict:
     return reference.results
 
 
+@pytest.mark.slow  # the batch holds 200 atoms; sevenn's calculator runs each alone
 @pytest.mark.parametrize("name", list(STRUCTURES))
 def test_each_structure_of_a_mixed_batch_equals_sevenn_alone(
     name, mixed_batch_results, reference
@@ -166,6 +167,7 @@ def test_each_structure_of_a_mixed_batch_equals_sevenn_alone(
         )
 
 
+@pytest.mark.slow
 def test_the_mixed_batch_is_not_trivial(mixed_batch_results):
     sizes = [len(STRUCTURES[name]()) for name in STRUCTURES]
     assert min(sizes) == 1
@@ -184,6 +186,7 @@ FD_ATOMS = {
 }
 
 
+@pytest.mark.slow  # 6 float64 model calls per atom
 @pytest.mark.parametrize("name", list(FD_ATOMS))
 def test_float64_forces_match_finite_differences(name, calc64):
     atoms = STRUCTURES[name]()
@@ -199,6 +202,7 @@ def test_float64_forces_match_finite_differences(name, calc64):
     )
 
 
+@pytest.mark.slow  # 12 float64 model calls
 def test_float64_stress_matches_finite_differences(calc64):
     atoms = _triclinic()
     atoms.calc = calc64
@@ -220,6 +224,7 @@ def _evaluate_with_list_cutoff(model, atoms_list, list_cutoff):
     return n_pairs, {key: value.detach().numpy() for key, value in outputs.items()}
 
 
+@pytest.mark.slow  # loads a second, float64 model
 def test_results_do_not_depend_on_the_neighbour_list_skin(model64):
     images = [STRUCTURES["SiGe_triclinic"](), STRUCTURES["ethanol_in_box"]()]
     pairs, exact = _evaluate_with_list_cutoff(model64, images, SEVENNET_0_CUTOFF)
@@ -264,6 +269,7 @@ def test_stress_only_when_asked(model):
     assert outputs["forces"].shape == (8, 3)
 
 
+@pytest.mark.slow
 def test_follows_dtype_float32_native(model, model64, calc32, calc64):
     assert model_native_dtype(model) == torch.float32
     assert model_native_dtype(model64) == torch.float64
@@ -276,10 +282,13 @@ def test_follows_dtype_float32_native(model, model64, calc32, calc64):
 
 def test_unknown_element_is_named(calc32):
     polonium = Atoms("Po2", positions=[[0, 0, 0], [0, 0, 2.6]])
-    with pytest.raises(ValueError, match=r"\[84\]"):
+    positions = polonium.positions.copy()
+    with pytest.raises(ValueError, match=r"images\[0\].*Po, Z = 84"):
         calc32.calculate_batch([polonium])
+    assert np.array_equal(polonium.positions, positions)
 
 
+@pytest.mark.slow  # loads the weights a second time
 def test_both_names_load_the_same_weights(model):
     alias = load_model("7net-0")
     assert model_native_dtype(alias) == torch.float32  # SevenNet's native precision
@@ -297,6 +306,7 @@ def test_missing_sevenn_names_the_extra(monkeypatch):
         sevennet.sevennet_0()
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch, nvalchemi and sevenn
 def test_loading_and_evaluating_print_nothing_and_change_no_global_state():
     code = """
 import sys, warnings, torch
@@ -327,6 +337,7 @@ def _small_batch() -> list[Atoms]:
     ]
 
 
+@pytest.mark.slow
 def test_velocity_verlet_runs(model):
     images = _small_batch()
     for atoms in images:
@@ -340,6 +351,7 @@ def test_velocity_verlet_runs(model):
         assert np.abs(atoms.get_momenta()).max() > 0  # the forces moved the atoms
 
 
+@pytest.mark.slow
 def test_fire_lowers_forces(model):
     images = _small_batch()
     start = [

@@ -53,7 +53,14 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
-from nvalchemi_ase.dynamics.trajectory import TrajectorySet, TrajectorySpec
+from nvalchemi_ase.dynamics.trajectory import TrajectorySet
+from nvalchemi_ase.typing import (
+    DeviceLike,
+    ImagesLike,
+    LogfileLike,
+    ModelLike,
+    TrajectoryLike,
+)
 from nvalchemi_ase.units import kinetic_temperature_K
 
 if TYPE_CHECKING:
@@ -123,14 +130,14 @@ class BatchedDynamics(AseBaseDynamics):
 
     def __init__(
         self,
-        images: Any,
-        logfile: Any = None,
-        trajectory: TrajectorySpec = None,
+        images: ImagesLike,
+        logfile: LogfileLike = None,
+        trajectory: TrajectoryLike = None,
         loginterval: int = 1,
         *,
         append_trajectory: bool = False,
-        model: BaseModelMixin | str | None = None,
-        device: torch.device | str | None = None,
+        model: ModelLike | None = None,
+        device: DeviceLike = None,
         dtype: DtypeLike = None,
         neighbor_skin: float | None = None,
         progress: bool | None = False,
@@ -149,7 +156,15 @@ class BatchedDynamics(AseBaseDynamics):
         check_constraints(atoms_list)
         self.images: list[Atoms] = atoms_list
         self.cell_filter: CellFilterSpec | None = cell_filter
-        self.setup = resolve_model_setup(atoms_list, model, device, dtype)
+        self.setup = resolve_model_setup(
+            atoms_list,
+            model,
+            device,
+            dtype,
+            neighbor_skin=(
+                self.default_skin() if neighbor_skin is None else float(neighbor_skin)
+            ),
+        )
         self._check_inputs()
         super().__init__(
             atoms=images if single else atoms_list,  # type: ignore[arg-type]

@@ -388,10 +388,10 @@ class FailureGuard:
             ratio = _volumes(batch) / self._volume0
             factor = self.limits.max_volume_factor
             checks.append((8, (ratio > factor) | (ratio < 1.0 / factor)))
-        code = torch.zeros(count, dtype=torch.long, device=batch.device)
-        for value, bad in reversed(checks):
-            code = torch.where(bad, value, code)
-        return code
+        codes = torch.zeros(count, dtype=torch.long, device=batch.device)
+        for reason, bad in reversed(checks):
+            codes = torch.where(bad, reason, codes)
+        return codes
 
     def _record(self, code: torch.Tensor) -> None:
         newly = (code > 0) & ~self.failed

@@ -8,7 +8,12 @@ from typing import Any
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics, resolve_seed
+from nvalchemi_ase.md.md import (
+    BatchedMolecularDynamics,
+    checked_numbers,
+    resolve_seed,
+)
+from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["Andersen"]
@@ -51,18 +56,18 @@ class Andersen(BatchedMolecularDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         andersen_prob: float | Sequence[float],
         fixcm: bool = True,
-        rng: Any = None,
+        rng: RNGLike = None,
         *,
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self.temperature_K = temperature_K
-        self.andersen_prob = andersen_prob
+        self.temperature_K = checked_numbers("temperature_K", temperature_K)
+        self.andersen_prob = checked_numbers("andersen_prob", andersen_prob)
         self.fix_com = bool(fixcm)
         self.seed = resolve_seed(seed, rng)
         super().__init__(images, timestep, **kwargs)

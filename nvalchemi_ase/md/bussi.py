@@ -9,7 +9,12 @@ import numpy as np
 import numpy.typing as npt
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics, resolve_seed
+from nvalchemi_ase.md.md import (
+    BatchedMolecularDynamics,
+    checked_numbers,
+    resolve_seed,
+)
+from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["Bussi"]
@@ -47,17 +52,17 @@ class Bussi(BatchedMolecularDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         taut: float | Sequence[float],
-        rng: Any = None,
+        rng: RNGLike = None,
         *,
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self.temperature_K = temperature_K
-        self.taut = taut
+        self.temperature_K = checked_numbers("temperature_K", temperature_K)
+        self.taut = checked_numbers("taut", taut)
         self.seed = resolve_seed(seed, rng)
         super().__init__(images, timestep, **kwargs)
 

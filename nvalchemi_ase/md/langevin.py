@@ -8,7 +8,12 @@ from typing import Any
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics, resolve_seed
+from nvalchemi_ase.md.md import (
+    BatchedMolecularDynamics,
+    checked_numbers,
+    resolve_seed,
+)
+from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import (
     ase_rate_to_per_fs,
     ase_time_to_fs,
@@ -48,13 +53,13 @@ class Langevin(BatchedMolecularDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         friction: float | Sequence[float],
         fixcm: bool = False,
         *,
-        rng: Any = None,
+        rng: RNGLike = None,
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -64,8 +69,8 @@ class Langevin(BatchedMolecularDynamics):
                 "hold the centre of mass fixed (and ASE deprecated fixcm); pass "
                 "fixcm=False"
             )
-        self.temperature_K = temperature_K
-        self.friction = friction
+        self.temperature_K = checked_numbers("temperature_K", temperature_K)
+        self.friction = checked_numbers("friction", friction)
         self.fix_com = fixcm
         self.seed = resolve_seed(seed, rng)
         super().__init__(images, timestep, **kwargs)

@@ -13,15 +13,21 @@ from ase.md.logger import MDLogger
 from ase.parallel import world
 
 from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.images import (
+    integer_argument,
+    real_argument,
+    real_arguments,
+)
 from nvalchemi_ase.dynamics.logs import (
     internal,
     is_template,
     open_log,
     per_structure_targets,
 )
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 from nvalchemi_ase.units import temperature_K_to_nvalchemi
 
-__all__ = ["BatchedMolecularDynamics", "resolve_seed"]
+__all__ = ["BatchedMolecularDynamics", "checked_numbers", "resolve_seed"]
 
 
 def resolve_seed(seed: int | None, rng: Any) -> int:
@@ -64,10 +70,10 @@ class BatchedMolecularDynamics(BatchedDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
-        trajectory: Any = None,
-        logfile: Any = None,
+        trajectory: TrajectoryLike = None,
+        logfile: LogfileLike = None,
         loginterval: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -133,6 +139,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         return converged
 
     def _irun(self, steps: int, sync_every_step: bool) -> Iterator[bool]:
+        steps = integer_argument("steps", steps)
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self.max_steps = self.nsteps + steps
@@ -229,8 +236,13 @@ class BatchedMolecularDynamics(BatchedDynamics):
         minimum: float = 0.0,
         strict: bool = False,
     ) -> torch.Tensor:
-        """Return a scalar or one value per structure as a [B] tensor on the device."""
-        array = np.asarray(value, dtype=np.float64)
+        """Return a scalar or one value per structure as a [B] tensor on the device.
+
+        Strings, booleans and other non-numbers are a ``TypeError`` naming the
+        argument and its unit (``np.asarray("300", dtype=float)`` would accept
+        the string).
+        """
+        array = real_arguments(name, value, _UNITS.get(name, "see the docstring"))
         count = len(self.images)
         if array.ndim == 0:
             array = np.full(count, float(array))
@@ -250,8 +262,58 @@ class BatchedMolecularDynamics(BatchedDynamics):
         return torch.as_tensor(array, dtype=self.setup.dtype, device=self.setup.device)
 
 
+#: Units of the per-structure MD arguments, for error messages.
+_UNITS = {
+    "timestep": "ASE time units, e.g. 2 * ase.units.fs",
+    "temperature_K": "K",
+    "friction": "1/ASE time unit, e.g. 0.01 / ase.units.fs",
+    "taut": "ASE time units, e.g. 100 * ase.units.fs",
+    "tdamp": "ASE time units, e.g. 100 * timestep",
+    "andersen_prob": "a probability per step, dimensionless",
+    "pressure_au": "eV/Å³, e.g. 1.0 * ase.units.bar",
+}
+
+
+def checked_numbers(name: str, value: Any) -> Any:
+    """Type-check a scalar-or-per-structure argument at construction.
+
+    Its shape (one value or one per structure) and range are checked once the
+    structures are known (:meth:`BatchedMolecularDynamics._per_structure`).
+
+    Parameters
+    ----------
+    name : str
+        The argument's name (its unit is looked up for the message).
+    value : float or array_like
+        The value as given.
+
+    Returns
+    -------
+    Any
+        ``value`` itself.
+
+    Raises
+    ------
+    TypeError
+        For strings, booleans and other non-numbers, naming the argument and
+        its unit.
+    """
+    real_arguments(name, value, _UNITS.get(name, "see the docstring"))
+    return value
+
+
 def _positive(name: str, value: float) -> float:
-    value = float(value)
+    """Return a positive finite scalar argument (``timestep``) as a float.
+
+    Raises
+    ------
+    TypeError
+        For a string, a boolean or another non-number (its unit is named).
+    ValueError
+        For zero, a negative or a non-finite value.
+    """
+    unit = _UNITS.get(name, "ASE time units")
+    value = real_argument(name, value, unit)
     if not np.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be positive (ASE time units), got {value}")
+        raise ValueError(f"{name} must be positive and finite ({unit}), got {value}")
     return value

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.dynamics.images import integer_argument
+from nvalchemi_ase.md.md import BatchedMolecularDynamics, checked_numbers
+from nvalchemi_ase.typing import ImagesLike
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["NoseHooverChainNVT"]
@@ -39,7 +41,7 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         tdamp: float | Sequence[float],
@@ -47,15 +49,15 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
         tloop: int = 1,
         **kwargs: Any,
     ) -> None:
-        if tloop != 1:
+        if integer_argument("tloop", tloop, "sub-loops per step") != 1:
             raise ValueError(
                 f"tloop={tloop} is not supported; nvalchemi's NVTNoseHoover has no "
                 "sub-loops (use tloop=1)"
             )
-        if int(tchain) < 1:
+        if integer_argument("tchain", tchain, "thermostats in the chain") < 1:
             raise ValueError(f"tchain must be >= 1, got {tchain}")
-        self.temperature_K = temperature_K
-        self.tdamp = tdamp
+        self.temperature_K = checked_numbers("temperature_K", temperature_K)
+        self.tdamp = checked_numbers("tdamp", tdamp)
         self.tchain = int(tchain)
         self.tloop = tloop
         super().__init__(images, timestep, **kwargs)

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.md.md import BatchedMolecularDynamics, checked_numbers
+from nvalchemi_ase.typing import ImagesLike
 from nvalchemi_ase.units import ase_time_to_fs
 
 __all__ = ["NVTBerendsen"]
@@ -46,15 +47,15 @@ class NVTBerendsen(BatchedMolecularDynamics):
 
     def __init__(
         self,
-        images: Any,
+        images: ImagesLike,
         timestep: float,
         temperature_K: float | Sequence[float],
         taut: float | Sequence[float],
         fixcm: bool = True,
         **kwargs: Any,
     ) -> None:
-        self.temperature_K = temperature_K
-        self.taut = taut
+        self.temperature_K = checked_numbers("temperature_K", temperature_K)
+        self.taut = checked_numbers("taut", taut)
         self.fix_com = bool(fixcm)
         super().__init__(images, timestep, **kwargs)
 

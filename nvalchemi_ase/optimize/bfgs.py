@@ -6,7 +6,9 @@ import warnings
 from typing import Any
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.images import real_argument
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["BFGS"]
 
@@ -47,17 +49,21 @@ class BFGS(BatchedOptimizer):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         append_trajectory: bool = False,
         maxstep: float | None = None,
         alpha: float | None = None,
         **kwargs: Any,
     ) -> None:
-        self.maxstep = DEFAULT_MAXSTEP if maxstep is None else float(maxstep)
-        self.alpha = DEFAULT_ALPHA if alpha is None else float(alpha)
+        self.maxstep = DEFAULT_MAXSTEP
+        if maxstep is not None:
+            self.maxstep = real_argument("maxstep", maxstep, "Å")
+        self.alpha = (
+            DEFAULT_ALPHA if alpha is None else real_argument("alpha", alpha, "eV/Å²")
+        )
         super().__init__(
             images,
             restart,

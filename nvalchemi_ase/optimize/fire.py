@@ -6,9 +6,14 @@ import warnings
 from typing import Any
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["FIRE", "FIRE2"]
+
+_TIME = "ASE time units"
+_FACTOR = "a dimensionless factor"
 
 
 class FIRE(BatchedOptimizer):
@@ -47,10 +52,10 @@ class FIRE(BatchedOptimizer):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         dt: float = 0.1,
         maxstep: float | None = None,
         dtmax: float = 1.0,
@@ -63,17 +68,22 @@ class FIRE(BatchedOptimizer):
         downhill_check: bool = False,
         **kwargs: Any,
     ) -> None:
-        if a != astart:
+        self.dt = real_argument("dt", dt, _TIME)
+        self.maxstep = 0.2
+        if maxstep is not None:
+            self.maxstep = real_argument("maxstep", maxstep, "Å")
+        self.dtmax = real_argument("dtmax", dtmax, _TIME)
+        self.Nmin = integer_argument("Nmin", Nmin, "steps")
+        self.finc = real_argument("finc", finc, _FACTOR)
+        self.fdec = real_argument("fdec", fdec, _FACTOR)
+        self.astart = real_argument("astart", astart, _FACTOR)
+        self.fa = real_argument("fa", fa, _FACTOR)
+        self.a = real_argument("a", a, _FACTOR)
+        if self.a != self.astart:
             raise ValueError(
                 f"a={a} differs from astart={astart}; nvalchemi's FIRE starts its "
                 "mixing parameter at astart"
             )
-        self.dt = float(dt)
-        self.maxstep = 0.2 if maxstep is None else float(maxstep)
-        self.dtmax = float(dtmax)
-        self.Nmin = int(Nmin)
-        self.finc, self.fdec = float(finc), float(fdec)
-        self.astart, self.fa, self.a = float(astart), float(fa), float(a)
         self.downhill_check = bool(downhill_check)
         super().__init__(images, restart, logfile, trajectory, **kwargs)
 
@@ -138,10 +148,10 @@ class FIRE2(BatchedOptimizer):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         dt: float = 0.1,
         maxstep: float = 0.2,
         dtmax: float = 1.0,
@@ -156,11 +166,15 @@ class FIRE2(BatchedOptimizer):
     ) -> None:
         if use_abc:
             raise ValueError("use_abc=True is not supported by nvalchemi's FIRE2")
-        self.dt, self.maxstep = float(dt), float(maxstep)
-        self.dtmax, self.dtmin = float(dtmax), float(dtmin)
-        self.Nmin = int(Nmin)
-        self.finc, self.fdec = float(finc), float(fdec)
-        self.astart, self.fa = float(astart), float(fa)
+        self.dt = real_argument("dt", dt, _TIME)
+        self.maxstep = real_argument("maxstep", maxstep, "Å")
+        self.dtmax = real_argument("dtmax", dtmax, _TIME)
+        self.dtmin = real_argument("dtmin", dtmin, _TIME)
+        self.Nmin = integer_argument("Nmin", Nmin, "steps")
+        self.finc = real_argument("finc", finc, _FACTOR)
+        self.fdec = real_argument("fdec", fdec, _FACTOR)
+        self.astart = real_argument("astart", astart, _FACTOR)
+        self.fa = real_argument("fa", fa, _FACTOR)
         super().__init__(images, restart, logfile, trajectory, **kwargs)
 
     def _check_inputs(self) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["LBFGS"]
 
@@ -32,23 +34,27 @@ class LBFGS(BatchedOptimizer):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         maxstep: float | None = None,
         memory: int = 100,
         damping: float = 1.0,
         alpha: float = 70.0,
         **kwargs: Any,
     ) -> None:
+        damping = real_argument("damping", damping, "a dimensionless factor")
+        alpha = real_argument("alpha", alpha, "eV/Å²")
         if (damping, alpha) != (1.0, 70.0):
             raise ValueError(
                 f"damping={damping}, alpha={alpha}: nvalchemi's L-BFGS has no initial "
                 "Hessian guess or damping; keep ASE's defaults (1.0, 70.0)"
             )
-        self.maxstep = 0.2 if maxstep is None else float(maxstep)
-        self.memory = int(memory)
+        self.maxstep = 0.2
+        if maxstep is not None:
+            self.maxstep = real_argument("maxstep", maxstep, "Å")
+        self.memory = integer_argument("memory", memory, "stored steps")
         self.damping, self.alpha = damping, alpha
         super().__init__(images, restart, logfile, trajectory, **kwargs)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.dynamics.images import real_argument
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["MDMin"]
 
@@ -38,17 +40,19 @@ class MDMin(BatchedOptimizer):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         dt: float | None = None,
         maxstep: float | None = None,
         **kwargs: Any,
     ) -> None:
         # ASE treats 0 / None as "use the default" (``dt or default``).
-        self.dt = float(dt) if dt else DEFAULT_DT
-        self.maxstep = float(maxstep) if maxstep else DEFAULT_MAXSTEP
+        dt = None if dt is None else real_argument("dt", dt, "ASE time units")
+        maxstep = None if maxstep is None else real_argument("maxstep", maxstep, "Å")
+        self.dt = dt or DEFAULT_DT
+        self.maxstep = maxstep or DEFAULT_MAXSTEP
         super().__init__(images, restart, logfile, trajectory, **kwargs)
 
     def _check_inputs(self) -> None:

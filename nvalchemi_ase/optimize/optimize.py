@@ -17,7 +17,9 @@ import numpy.typing as npt
 import torch
 
 from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
+from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["DEFAULT_MAX_STEPS", "BatchedOptimizer"]
 
@@ -53,10 +55,10 @@ class BatchedOptimizer(BatchedDynamics):
 
     def __init__(
         self,
-        images: Any,
-        restart: Any = None,
-        logfile: Any = "-",
-        trajectory: Any = None,
+        images: ImagesLike,
+        restart: str | None = None,
+        logfile: LogfileLike = "-",
+        trajectory: TrajectoryLike = None,
         append_trajectory: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -163,8 +165,8 @@ class BatchedOptimizer(BatchedDynamics):
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
-        trajectory: Any = None,
-        logfile: Any = None,
+        trajectory: TrajectoryLike = None,
+        logfile: LogfileLike = None,
         loginterval: int = 1,
     ) -> Any:
         """Fuse with an MD object: each structure relaxes to ``fmax``, then runs MD.
@@ -251,6 +253,8 @@ class BatchedOptimizer(BatchedDynamics):
     # -- run loop ----------------------------------------------------------------
 
     def _irun(self, fmax: float, steps: int, sync_every_step: bool) -> Iterator[bool]:
+        fmax = real_argument("fmax", fmax, "eV/Å")
+        steps = integer_argument("steps", steps)
         if not fmax > 0:
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if steps < 0:

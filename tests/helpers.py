@@ -1,0 +1,31 @@
+"""Assertion helpers the test modules import (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from ase import Atoms
+
+
+def snapshot(atoms: Atoms) -> dict:
+    """Copy of everything a caller could see change on ``atoms``."""
+    return {
+        "arrays": {k: v.copy() for k, v in atoms.arrays.items()},
+        "cell": atoms.cell.array.copy(),
+        "pbc": atoms.pbc.copy(),
+        "info": dict(atoms.info),
+        "constraints": [c.todict() for c in atoms.constraints],
+        "calc": atoms.calc,
+    }
+
+
+def assert_same_snapshot(before: dict, atoms: Atoms) -> None:
+    """Assert ``atoms`` still matches the :func:`snapshot` taken ``before``."""
+    after = snapshot(atoms)
+    assert before["arrays"].keys() == after["arrays"].keys()
+    for key, value in before["arrays"].items():
+        np.testing.assert_array_equal(value, after["arrays"][key])
+    np.testing.assert_array_equal(before["cell"], after["cell"])
+    np.testing.assert_array_equal(before["pbc"], after["pbc"])
+    assert before["info"] == after["info"]
+    assert before["constraints"] == after["constraints"]
+    assert before["calc"] is after["calc"]
