@@ -20,7 +20,10 @@ The last three run batched engines of this package (nvalchemi 0.3 has none).
 from nvalchemi_ase.md.andersen import Andersen
 from nvalchemi_ase.md.bussi import Bussi
 from nvalchemi_ase.md.langevin import Langevin
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.md.md import (
+    BatchedMolecularDynamics,
+    VariableCellMolecularDynamics,
+)
 from nvalchemi_ase.md.nosehoover import NoseHooverChainNVT
 from nvalchemi_ase.md.npt import MTKNPT, NPH, IsotropicMTKNPT
 from nvalchemi_ase.md.nvtberendsen import NVTBerendsen
@@ -36,5 +39,6 @@ __all__ = [
     "Langevin",
     "NVTBerendsen",
     "NoseHooverChainNVT",
+    "VariableCellMolecularDynamics",
     "VelocityVerlet",
 ]

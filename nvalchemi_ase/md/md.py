@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +27,12 @@ from nvalchemi_ase.dynamics.logs import (
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 from nvalchemi_ase.units import temperature_K_to_nvalchemi
 
-__all__ = ["BatchedMolecularDynamics", "checked_numbers", "resolve_seed"]
+__all__ = [
+    "BatchedMolecularDynamics",
+    "VariableCellMolecularDynamics",
+    "checked_numbers",
+    "resolve_seed",
+]
 
 
 def resolve_seed(seed: int | None, rng: Any) -> int:
@@ -260,6 +265,52 @@ class BatchedMolecularDynamics(BatchedDynamics):
                 f"{relation} {minimum}"
             )
         return torch.as_tensor(array, dtype=self.setup.dtype, device=self.setup.device)
+
+
+class VariableCellMolecularDynamics(BatchedMolecularDynamics):
+    """Base of the constant-pressure integrators: the cell moves with the atoms.
+
+    A subclass of :class:`BatchedMolecularDynamics` for engines that change the
+    cell every step (``IsotropicMTKNPT``, ``MTKNPT``, ``NPH``; a new barostat
+    starts here). It adds what every such engine needs:
+
+    * a check, before any step, that the model outputs stress and that every
+      structure is periodic in three directions (a clear ``ValueError``
+      naming the structure otherwise);
+    * a neighbour-list skin of 0 Å by default (the skin test watches atom
+      displacements, not the cell, so the list is rebuilt every step);
+    * :meth:`_pressure`, the per-structure external pressure [B] in eV/Å³ on
+      the device (negative values allowed: tension).
+
+    The class attribute ``_pressure_coupling`` (``"isotropic"`` or
+    ``"triclinic"``) names the cell degrees of freedom the engine moves.
+    Arguments as :class:`BatchedMolecularDynamics`.
+    """
+
+    _pressure_coupling: ClassVar[str] = "isotropic"
+
+    def _check_inputs(self) -> None:
+        if "stress" not in self.model.model_config.outputs:
+            raise ValueError(
+                f"{type(self).__name__} needs stress, but {type(self.model).__name__} "
+                "does not output it"
+            )
+        for index, atoms in enumerate(self.images):
+            if not atoms.pbc.all() or atoms.cell.rank < 3:
+                raise ValueError(
+                    f"images[{index}] is not periodic in all three directions "
+                    f"(pbc = {atoms.pbc.tolist()}); constant-pressure MD needs bulk "
+                    "structures"
+                )
+
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
+        # The engine rescales the cell every step; the skin test only watches
+        # atom displacements, so the list is rebuilt every step.
+        return 0.0
+
+    def _pressure(self, pressure_au: Any) -> Any:
+        return self._per_structure("pressure_au", pressure_au, minimum=-np.inf)
 
 
 #: Units of the per-structure MD arguments, for error messages.

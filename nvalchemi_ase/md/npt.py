@@ -36,7 +36,7 @@ import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.images import integer_argument
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
+from nvalchemi_ase.md.md import VariableCellMolecularDynamics
 from nvalchemi_ase.typing import ImagesLike
 from nvalchemi_ase.units import ase_time_to_fs
 
@@ -128,36 +128,7 @@ def _engine_classes() -> tuple[type, type]:
     return NPT, NPH
 
 
-class _VariableCellMD(BatchedMolecularDynamics):
-    """Checks and defaults shared by the constant-pressure integrators."""
-
-    _pressure_coupling: ClassVar[str] = "isotropic"
-
-    def _check_inputs(self) -> None:
-        if "stress" not in self.model.model_config.outputs:
-            raise ValueError(
-                f"{type(self).__name__} needs stress, but {type(self.model).__name__} "
-                "does not output it"
-            )
-        for index, atoms in enumerate(self.images):
-            if not atoms.pbc.all() or atoms.cell.rank < 3:
-                raise ValueError(
-                    f"images[{index}] is not periodic in all three directions "
-                    f"(pbc = {atoms.pbc.tolist()}); constant-pressure MD needs bulk "
-                    "structures"
-                )
-
-    def default_skin(self) -> float:
-        """Verlet skin of the neighbour list when none is given, Å."""
-        # The engine rescales the cell every step; the skin test only watches
-        # atom displacements, so the list is rebuilt every step.
-        return 0.0
-
-    def _pressure(self, pressure_au: Any) -> Any:
-        return self._per_structure("pressure_au", pressure_au, minimum=-np.inf)
-
-
-class IsotropicMTKNPT(_VariableCellMD):
+class IsotropicMTKNPT(VariableCellMolecularDynamics):
     """Isotropic MTK NPT (Nosé-Hoover chains on particles and volume), as ASE's.
 
     Parameters
@@ -254,7 +225,7 @@ class MTKNPT(IsotropicMTKNPT):
     _pressure_coupling: ClassVar[str] = "triclinic"
 
 
-class NPH(_VariableCellMD):
+class NPH(VariableCellMolecularDynamics):
     """Constant enthalpy (MTK barostat, no thermostat) on nvalchemi's ``NPH``.
 
     ASE has no NPH class; the arguments follow ``IsotropicMTKNPT``'s.
