@@ -366,7 +366,7 @@ def test_fire_lowers_forces(model):
 
 
 def test_column_slice_merging_keeps_values_and_gradients():
-    from nvalchemi_ase.models.sevennet import _merge_column_slices
+    from nvalchemi_ase.models.sevennet.speed import merge_column_slices
 
     class Toy(torch.nn.Module):
         def forward(self, x1, x2, w):
@@ -387,7 +387,7 @@ def test_column_slice_merging_keeps_values_and_gradients():
     after = [t.clone().requires_grad_(True) for t in inputs]
     expected = holder._compiled_main_left_right(*before)
     expected.sum().backward()
-    assert _merge_column_slices(holder) == 3  # w's cuts; single cuts are left alone
+    assert merge_column_slices(holder) == 3  # w's cuts; single cuts are left alone
     result = holder._compiled_main_left_right(*after)
     result.sum().backward()
     torch.testing.assert_close(result, expected, rtol=0, atol=0)
@@ -396,13 +396,13 @@ def test_column_slice_merging_keeps_values_and_gradients():
 
 
 def test_the_slice_merging_applies_to_sevennet(model):
-    from nvalchemi_ase.models.sevennet import _split_columns
+    from nvalchemi_ase.models.sevennet.speed import split_columns
 
     rewritten = [
         node
         for layer in model.network.children()
         if type(layer).__name__ == "IrrepsConvolution"
         for node in layer.convolution._compiled_main_left_right.graph.nodes
-        if node.target is _split_columns
+        if node.target is split_columns
     ]
     assert len(rewritten) >= 5  # at least the path weights of every convolution

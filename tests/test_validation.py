@@ -241,9 +241,9 @@ def test_builtin_models_declare_their_elements():
 
 def test_sevennet_elements_come_from_its_checkpoint():
     pytest.importorskip("sevenn")
-    from nvalchemi_ase.models import sevennet
+    from nvalchemi_ase.models.sevennet import loading
 
-    config = sevennet._check_checkpoint_is_data(sevennet._checkpoint_path())["config"]
+    config = loading.check_checkpoint_is_data(loading.checkpoint_path())["config"]
     expected = frozenset(atomic_numbers[s] for s in config["chemical_species"])
     model = load_model("sevennet-0")
     assert len(expected) == 89

@@ -1,0 +1,109 @@
+"""SevenNet-0 as a batched nvalchemi model.
+
+SevenNet-0 (``sevenn`` package, MIT licence; "7net-0", 11 Jul 2024) is a
+universal interatomic potential (NequIP-style E(3)-equivariant message passing,
+5 interaction layers, 89 elements, trained on MPtrj at the PBE/PBE+U level, 5 Å
+cutoff). Its weights ship inside the ``sevenn`` wheel, so loading needs no
+network. ``sevenn``'s own ASE calculator evaluates one structure per call; the
+wrapper built here evaluates a whole nvalchemi ``Batch`` in one forward pass:
+
+* the graph comes from nvalchemi's neighbour list; edges longer than the
+  model's cutoff are dropped, so a list built with a Verlet skin gives the same
+  results;
+* edge vectors ``r_ij = x_j - x_i + S_ij · cell`` feed SevenNet's layers, whose
+  per-atom energies are summed per structure;
+* forces and the tensile-positive stress (ASE's sign) come from one autograd
+  pass with respect to the edge vectors
+  (:mod:`nvalchemi_ase.models.edge_vectors`).
+
+Memory grows with the edges of the whole batch: about 250 kB per edge in
+float32 (8 GB for 784 atoms, 33 000 edges; :mod:`nvalchemi_ase.models.memory`).
+
+The package's modules, one concern each:
+
+* :mod:`~nvalchemi_ase.models.sevennet.loading`: the checkpoint in the wheel,
+  checked to be data before sevenn reads it;
+* :mod:`~nvalchemi_ase.models.sevennet.wrapper`: the nvalchemi model;
+* :mod:`~nvalchemi_ase.models.sevennet.speed`: tiled convolutions and e3nn's
+  slices rewritten, with the sevenn and e3nn versions they were checked on.
+
+``import nvalchemi_ase.models`` does not import ``sevenn`` or ``nvalchemi``:
+both are imported (silently) when :func:`sevennet_0` is first called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nvalchemi_ase.models.sevennet.loading import (
+    SEVENNET_0_CUTOFF,
+    SEVENNET_EXTRA,
+    build_network,
+)
+from nvalchemi_ase.models.sevennet.speed import CONVOLUTION_TILE_BYTES
+
+if TYPE_CHECKING:
+    from nvalchemi.models.base import BaseModelMixin
+
+__all__ = [
+    "CONVOLUTION_TILE_BYTES",
+    "SEVENNET_0_CUTOFF",
+    "SEVENNET_EXTRA",
+    "sevennet_0",
+]
+
+
+def sevennet_0() -> BaseModelMixin:
+    """SevenNet-0 (11 Jul 2024), a universal potential for 89 elements, batched.
+
+    Returns
+    -------
+    BaseModelMixin
+        A ``SevenNetWrapper`` on the CPU in float32 (SevenNet's native
+        precision; ``.to(dtype=torch.float64)`` evaluates the same weights in
+        float64). Outputs: ``energy`` [B, 1] eV, ``forces`` [V, 3] eV/Å and,
+        opt-in, ``stress`` [B, 3, 3] eV/Å³ (tensile positive, as ASE). Active by
+        default: energy and forces. Neighbour list: COO, full, cutoff 5 Å.
+
+    Raises
+    ------
+    ImportError
+        If ``sevenn`` (or one of its dependencies) is not installed; the message
+        names the extra to install.
+    FileNotFoundError
+        If the installed ``sevenn`` does not contain the SevenNet-0 checkpoint
+        (it is never downloaded).
+
+    Examples
+    --------
+    >>> from nvalchemi_ase import NVAlchemiCalculator
+    >>> calc = NVAlchemiCalculator(sevennet_0(), device="cpu")  # doctest: +SKIP
+    """
+    from nvalchemi_ase.models.sevennet.wrapper import wrapper_class
+
+    return wrapper_class()(build_network())  # type: ignore[no-any-return]
+
+
+def __getattr__(name: str) -> Any:
+    """Give ``SevenNetWrapper`` on first access (it subclasses an nvalchemi class).
+
+    Parameters
+    ----------
+    name : str
+        Attribute name.
+
+    Returns
+    -------
+    type
+        The ``SevenNetWrapper`` class.
+
+    Raises
+    ------
+    AttributeError
+        For any other name.
+    """
+    if name == "SevenNetWrapper":
+        from nvalchemi_ase.models.sevennet.wrapper import wrapper_class
+
+        return wrapper_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,239 @@
+"""SevenNet's network evaluated on a whole nvalchemi ``Batch`` in one pass.
+
+The graph comes from nvalchemi's COO neighbour list and forces and stress from
+the edge-vector gradient (:mod:`nvalchemi_ase.models.edge_vectors`); SevenNet's
+layers run unchanged except three that the wrapper replaces: the one-hot
+embedding (sevenn hard-codes float32 with ``.float()``), the energy reduction
+(sevenn sizes its output from ``batch.max()``) and the force output (computed
+here, with stress only on demand and in ASE's sign). Its convolutions run in
+tiles (:mod:`nvalchemi_ase.models.sevennet.speed`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models.edge_vectors import EdgeGraph, edge_vector_outputs
+from nvalchemi_ase.models.sevennet.speed import (
+    CONVOLUTION_TILE_BYTES,
+    merge_column_slices,
+    tiled_convolution,
+)
+
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+
+__all__ = ["wrapper_class"]
+
+# Module names of sevenn's ``AtomGraphSequential`` that this wrapper replaces.
+_ONE_HOT = "onehot_idx_to_onehot"
+_REPLACED = frozenset({_ONE_HOT, "reduce_total_enegy", "force_output"})
+_ATOMIC_ENERGY_KEY = "atomic_energy"
+_MAX_ATOMIC_NUMBER = 118
+
+
+class _SevenNetModule(torch.nn.Module):
+    """SevenNet's network evaluated on a whole nvalchemi ``Batch`` (torch only).
+
+    :func:`wrapper_class` combines it with nvalchemi's ``BaseModelMixin``.
+
+    Parameters
+    ----------
+    network : torch.nn.Module
+        sevenn's ``AtomGraphSequential`` (``cutoff`` and ``type_map`` set).
+    """
+
+    model_config: Any
+    species_of_number: torch.Tensor
+    supported_elements: frozenset[int]
+
+    def __init__(self, network: Any) -> None:
+        super().__init__()
+        base = import_quietly("nvalchemi.models.base")
+        self.network = network
+        self.cutoff = float(network.cutoff)
+        self._layer_names = [name for name in network._modules if name not in _REPLACED]
+        self._convolutions = {
+            name
+            for name, layer in network.named_children()
+            if type(layer).__name__ == "IrrepsConvolution"
+            and not getattr(layer, "is_parallel", False)
+        }
+        for name in self._convolutions:
+            merge_column_slices(network._modules[name].convolution)
+        missing = _REPLACED - set(network._modules)
+        if missing:
+            raise ValueError(f"unexpected SevenNet layout: no {sorted(missing)}")
+        self.num_species = len(network.type_map)
+        table = torch.full((_MAX_ATOMIC_NUMBER + 1,), -1, dtype=torch.long)
+        for number, index in network.type_map.items():
+            table[int(number)] = int(index)
+        self.register_buffer("species_of_number", table, persistent=False)
+        #: Atomic numbers the checkpoint was trained on (its config's type map;
+        #: read by :func:`nvalchemi_ase.models.supported_elements`).
+        self.supported_elements = frozenset(int(z) for z in network.type_map)
+        self.model_config = base.ModelConfig(
+            outputs=frozenset({"energy", "forces", "stress"}),
+            autograd_outputs=frozenset({"forces", "stress"}),
+            supports_pbc=True,
+            neighbor_config=base.NeighborConfig(
+                cutoff=self.cutoff, format=base.NeighborListFormat.COO
+            ),
+            active_outputs={"energy", "forces"},
+        )
+
+    # -- nvalchemi's abstract interface ------------------------------------------
+
+    @property
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Embeddings this wrapper publishes: none.
+
+        Returns
+        -------
+        dict
+            Empty.
+        """
+        return {}
+
+    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
+        """Not available for SevenNet-0 in this wrapper.
+
+        Parameters
+        ----------
+        data : Batch
+            Ignored.
+        **kwargs
+            Ignored.
+
+        Raises
+        ------
+        NotImplementedError
+            Always.
+        """
+        raise NotImplementedError("the SevenNet-0 wrapper publishes no embeddings")
+
+    # -- forward -----------------------------------------------------------------
+
+    def forward(self, data: Batch, **kwargs: Any) -> OrderedDict[str, Any]:
+        """Energy, forces and (when active) stress of every structure in a batch.
+
+        Parameters
+        ----------
+        data : nvalchemi.data.Batch
+            B structures with ``positions`` [V, 3] Å, ``atomic_numbers`` [V],
+            ``batch_idx`` [V], a COO neighbour list (``neighbor_list`` [E, 2],
+            ``neighbor_list_shifts`` [E, 3] integer cell images) built with a
+            cutoff of at least 5 Å, and ``cell`` [B, 3, 3] Å when any structure
+            is periodic or stress is wanted.
+        **kwargs
+            Ignored (nvalchemi interface).
+
+        Returns
+        -------
+        OrderedDict
+            Keys of ``model_config.active_outputs`` (sorted): ``energy`` [B, 1]
+            eV, ``forces`` [V, 3] eV/Å, ``stress`` [B, 3, 3] eV/Å³
+            (tensile-positive Cauchy stress, ASE's sign; for structures without
+            three lattice vectors it uses the batch's stand-in cell and is not
+            physical). Dtype of ``positions``.
+
+        Raises
+        ------
+        ValueError
+            For an element SevenNet-0 was not trained on, or stress without a
+            cell.
+        """
+        active = set(self.model_config.active_outputs) & set(self.model_config.outputs)
+        results = edge_vector_outputs(
+            data,
+            functools.partial(self._energy, self._species(data.atomic_numbers)),
+            cutoff=self.cutoff,
+            dtype=self._dtype(),
+            want_forces="forces" in active,
+            want_stress="stress" in active,
+            keep_graph=self.training or bool(data.positions.requires_grad),
+            model_name="SevenNet-0",
+        )
+        out_dtype = data.positions.dtype
+        return OrderedDict(
+            (key, results[key].to(out_dtype) if key in results else None)
+            for key in sorted(active)
+        )
+
+    def _species(self, atomic_numbers: torch.Tensor) -> torch.Tensor:
+        numbers = atomic_numbers.long()
+        species = self.species_of_number[numbers.clamp(0, _MAX_ATOMIC_NUMBER)]
+        unknown = (species < 0) | (numbers < 0) | (numbers > _MAX_ATOMIC_NUMBER)
+        if bool(unknown.any()):
+            bad = sorted({int(z) for z in numbers[unknown].tolist()})
+            raise ValueError(
+                f"SevenNet-0 was not trained on atomic number(s) {bad}; it knows "
+                f"{self.num_species} elements"
+            )
+        return species
+
+    def _energy(self, species: torch.Tensor, graph: EdgeGraph) -> torch.Tensor:
+        """Per-structure energy [B], eV, from SevenNet's per-atom energies.
+
+        ``species`` [V] is each atom's index in SevenNet's type map.
+        """
+        dtype = self._dtype()
+        one_hot = torch.nn.functional.one_hot(species, self.num_species)
+        features = one_hot.to(dtype)
+        state: dict[str, torch.Tensor] = {
+            "x": features,
+            "node_attr": features,
+            "atom_type": species,
+            "batch": graph.batch_idx,
+            "edge_index": graph.edge_index,
+            "edge_vec": graph.edge_vectors,
+        }
+        for name in self._layer_names:
+            layer = getattr(self.network, name)
+            if name in self._convolutions:
+                state = tiled_convolution(layer, state, CONVOLUTION_TILE_BYTES)
+            else:
+                state = layer(state)
+        atomic = state[_ATOMIC_ENERGY_KEY].reshape(-1)
+        energy = torch.zeros(graph.num_graphs, dtype=atomic.dtype, device=atomic.device)
+        return energy.index_add(0, graph.batch_idx, atomic)
+
+    def _dtype(self) -> torch.dtype:
+        dtype = next(self.network.parameters()).dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"SevenNet-0 runs in float32 or float64, not {dtype}")
+        return dtype
+
+
+_WRAPPER_DOC = """SevenNet-0 as an nvalchemi model: a ``Batch`` in one forward pass.
+
+Built by :func:`sevennet_0`; see that function and the module docstring for the
+outputs, units and conventions. ``model.network`` is sevenn's
+``AtomGraphSequential`` (eval mode, frozen weights); its one-hot embedding,
+energy reduction and force/stress output are replaced by the wrapper's own.
+
+Parameters
+----------
+network : torch.nn.Module
+    sevenn's ``AtomGraphSequential`` for SevenNet-0.
+"""
+
+
+@functools.cache
+def wrapper_class() -> type:
+    """``SevenNetWrapper``: :class:`_SevenNetModule` plus ``BaseModelMixin``."""
+    base = import_quietly("nvalchemi.models.base")
+    return type(
+        "SevenNetWrapper",
+        (_SevenNetModule, base.BaseModelMixin),
+        {
+            "__module__": "nvalchemi_ase.models.sevennet",
+            "__qualname__": "SevenNetWrapper",
+            "__doc__": _WRAPPER_DOC,
+        },
+    )
