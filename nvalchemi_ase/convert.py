@@ -136,7 +136,6 @@ _CARRIED_ARRAYS = frozenset(
 _CARRIED_INFO = frozenset({"charge", "spin"})
 _MAX_ATOMIC_NUMBER = 118
 _ATOM_VECTORS = frozenset({"positions", "velocities", "forces"})
-_warned_keys: set[str] = set()
 
 
 class StructureError(ValueError):
@@ -1294,8 +1293,9 @@ def _warn_not_carried(atoms_list: list[Atoms]) -> None:
             for c in atoms.constraints
             if not isinstance(c, FixAtoms)
         )
-    for key in sorted(dropped - _warned_keys):
-        _warned_keys.add(key)
+    # One warning per key and call site: Python's warnings registry (the
+    # default action) shows each message once per line; no state of ours.
+    for key in sorted(dropped):
         warnings.warn(
             f"{key} has no nvalchemi Batch field and is not carried into the batch "
             "(update_atoms writes back into the original Atoms, which keep it)",
