@@ -278,8 +278,9 @@ def atoms_to_batch(
         Floating dtype of positions, cell, masses, velocities and charges;
         ``None`` means ``torch.float64`` (lossless).
     warn_dropped : bool
-        Emit a :class:`NotCarriedWarning` (once per key per process) for
-        ``info``/``arrays`` keys and constraints that the batch cannot carry.
+        Emit a :class:`NotCarriedWarning` for ``info``/``arrays`` keys and
+        constraints that the batch cannot carry (once per key and calling
+        line: Python's warnings registry, under the default action).
 
     Returns
     -------
