@@ -1,5 +1,7 @@
-# The "Complete example: Velocity Verlet" of nvalchemi's dynamics-implementation
-# guide (../shared/seeds/001_f7ee53d511e034f6.txt), pasted verbatim.
+# The "Complete example: Velocity Verlet" of nvalchemi's guide "nvalchemi
+# Dynamics Implementation" (the document this project was created from; it
+# mirrors nvalchemi's DemoDynamics), pasted verbatim: the guide's own example
+# must run under this package's hooks and conserve energy.
 from __future__ import annotations
 
 from typing import Any, TYPE_CHECKING
