@@ -7,15 +7,16 @@ nvalchemi's recipe (``__needs_keys__``/``__provides_keys__``,
 checks and ``status`` masking, and (through :mod:`nvalchemi_ase.md` and
 :mod:`nvalchemi_ase.optimize`) from ASE.
 
-================  ==============================  ==============================
-engine            ASE algorithm                   ASE-style class
-================  ==============================  ==============================
-``BFGS``          ``ase.optimize.BFGS``           ``nvalchemi_ase.optimize.BFGS``
-``MDMin``         ``ase.optimize.MDMin``          ``nvalchemi_ase.optimize.MDMin``
-``NVTBussi``      ``ase.md.bussi.Bussi``          ``nvalchemi_ase.md.Bussi``
-``NVTBerendsen``  ``ase.md.nvtberendsen``         ``nvalchemi_ase.md.NVTBerendsen``
-``NVTAndersen``   ``ase.md.andersen``             ``nvalchemi_ase.md.Andersen``
-================  ==============================  ==============================
+=======================  =========================  ==================================
+engine                   ASE algorithm              ASE-style class
+=======================  =========================  ==================================
+``BFGS``                 ``ase.optimize.BFGS``      ``nvalchemi_ase.optimize.BFGS``
+``MDMin``                ``ase.optimize.MDMin``     ``nvalchemi_ase.optimize.MDMin``
+``NVTBussi``             ``ase.md.bussi.Bussi``     ``nvalchemi_ase.md.Bussi``
+``NVTBerendsen``         ``ase.md.nvtberendsen``    ``nvalchemi_ase.md.NVTBerendsen``
+``NVTAndersen``          ``ase.md.andersen``        ``nvalchemi_ase.md.Andersen``
+``LangevinHooverBAOAB``  ``ase.md.langevinbaoab``   ``nvalchemi_ase.md.LangevinBAOAB``
+=======================  =========================  ==================================
 
 Units follow nvalchemi: integrator time steps and coupling times in fs,
 temperatures in K (``KB_EV``), velocities in Å per ASE time unit; the
@@ -28,6 +29,14 @@ from nvalchemi_ase.engines.andersen import NVTAndersen
 from nvalchemi_ase.engines.berendsen import NVTBerendsen
 from nvalchemi_ase.engines.bfgs import BFGS
 from nvalchemi_ase.engines.bussi import NVTBussi
+from nvalchemi_ase.engines.langevin_hoover import LangevinHooverBAOAB
 from nvalchemi_ase.engines.mdmin import MDMin
 
-__all__ = ["BFGS", "MDMin", "NVTAndersen", "NVTBerendsen", "NVTBussi"]
+__all__ = [
+    "BFGS",
+    "LangevinHooverBAOAB",
+    "MDMin",
+    "NVTAndersen",
+    "NVTBerendsen",
+    "NVTBussi",
+]

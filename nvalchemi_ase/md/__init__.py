@@ -5,6 +5,7 @@ class                      nvalchemi engine
 =========================  ======================================================
 ``VelocityVerlet``         ``NVE``
 ``Langevin``               ``NVTLangevin`` (BAOAB)
+``LangevinBAOAB``          ``nvalchemi_ase.engines.LangevinHooverBAOAB``
 ``NoseHooverChainNVT``     ``NVTNoseHoover``
 ``IsotropicMTKNPT``        ``NPT(pressure_coupling="isotropic")``
 ``MTKNPT``                 ``NPT(pressure_coupling="triclinic")``
@@ -14,12 +15,14 @@ class                      nvalchemi engine
 ``Andersen``               ``nvalchemi_ase.engines.NVTAndersen``
 =========================  ======================================================
 
-The last three run batched engines of this package (nvalchemi 0.3 has none).
+``LangevinBAOAB``, ``Bussi``, ``NVTBerendsen`` and ``Andersen`` run batched
+engines of this package (nvalchemi 0.3 has none).
 """
 
 from nvalchemi_ase.md.andersen import Andersen
 from nvalchemi_ase.md.bussi import Bussi
 from nvalchemi_ase.md.langevin import Langevin
+from nvalchemi_ase.md.langevinbaoab import LangevinBAOAB
 from nvalchemi_ase.md.md import (
     BatchedMolecularDynamics,
     VariableCellMolecularDynamics,
@@ -37,6 +40,7 @@ __all__ = [
     "Bussi",
     "IsotropicMTKNPT",
     "Langevin",
+    "LangevinBAOAB",
     "NVTBerendsen",
     "NoseHooverChainNVT",
     "VariableCellMolecularDynamics",
