@@ -31,6 +31,7 @@ __all__ = [
     "carry_engine_state",
     "close_hooks",
     "eager_call",
+    "engine_state",
     "ensure_bookkeeping_fields",
     "frozen_category",
     "make_state_batch",
@@ -182,6 +183,16 @@ def make_state_batch(data: dict[str, torch.Tensor], device: torch.device) -> Bat
     """Make the ``Batch`` an engine keeps per-structure state in (``_state``)."""
     bridge = import_quietly("nvalchemi.dynamics._ops._bridge")
     return bridge._make_state_batch(data, device)
+
+
+def engine_state(engine: BaseDynamics) -> Batch | None:
+    """Return an engine's per-structure state (``self._state``), or None before it.
+
+    Rows are structures; nvalchemi's integrators keep thermostat and barostat
+    variables there (e.g. ``NVTNoseHoover``: ``nhc_eta``, ``nhc_eta_dot``,
+    ``nhc_Q`` [B, chain], ``temperature`` (kT, eV), ``nhc_ndof`` [B]).
+    """
+    return getattr(engine, "_state", None)
 
 
 def frozen_category() -> int:

@@ -6,7 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+from ase import Atoms
 
+from nvalchemi_ase._compat import engine_state
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.images import integer_argument
 from nvalchemi_ase.md.md import BatchedMolecularDynamics, checked_numbers
@@ -69,6 +72,42 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
             "tdamp": np.asarray(self.tdamp).tolist(),
             "tchain": self.tchain,
         }
+
+    def get_conserved_energy(self) -> float | npt.NDArray[np.float64]:
+        """Return the conserved energy-like quantity of each structure, eV.
+
+        ASE's quantity: ``E_pot + E_kin`` plus the chain's energy
+        ``Σ_j ½ Q_j η̇_j² + N_f kT η_1 + kT Σ_{j≥2} η_j``, which the exact
+        dynamics conserves (the integrator to O(dt²)). nvalchemi 0.3's chain
+        update advances the chain positions η by η̇ dt in each of its two half
+        steps, so the engine's ``nhc_eta`` is twice the η of the equations of
+        motion (it does not enter them); the half is used here.
+
+        Returns
+        -------
+        float or numpy.ndarray, shape (B,)
+            A float when the dynamics was given one ``Atoms`` (as ASE), else
+            one value per structure.
+        """
+        self._prime()  # ASE's call evaluates the current structure too
+        thermo = self.per_structure_thermo()
+        energy = thermo["epot"] + thermo["ekin"] + self._chain_energy()
+        if isinstance(self.atoms, Atoms):
+            return float(energy[0])
+        return energy
+
+    def _chain_energy(self) -> npt.NDArray[np.float64]:
+        """Σ ½ Q η̇² + N_f kT η_1 + kT Σ_{j≥2} η_j per structure, eV, (B,)."""
+        state = engine_state(self.engine)
+        if state is None:
+            return np.zeros(len(self.images))
+        eta = 0.5 * state.nhc_eta.detach().double()  # see get_conserved_energy
+        eta_dot = state.nhc_eta_dot.detach().double()
+        kT = state.temperature.detach().double().reshape(-1)
+        dof = state.nhc_ndof.detach().double().reshape(-1)
+        kinetic = (0.5 * state.nhc_Q.detach().double() * eta_dot**2).sum(dim=1)
+        potential = dof * kT * eta[:, 0] + kT * eta[:, 1:].sum(dim=1)
+        return (kinetic + potential).cpu().numpy()
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
