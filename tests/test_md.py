@@ -170,7 +170,7 @@ def test_energy_is_conserved_with_a_smooth_cutoff(smooth_lj):
         ({"timestep": -1.0}, "timestep must be positive"),
         ({"temperature_K": -5.0}, r"temperature_K for images\[0\] is -5.0"),
         ({"temperature_K": [100.0, 200.0, 300.0]}, r"temperature_K has shape \(3,\)"),
-        ({"friction": 0.0}, r"friction for images\[0\] is 0.0"),
+        ({"friction": -0.01}, r"friction for images\[0\] is -0.01"),
     ],
 )
 def test_bad_md_arguments_raise_before_any_step(kwargs, message, lj_calc64):

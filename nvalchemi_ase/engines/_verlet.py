@@ -127,6 +127,17 @@ class ThermostattedVerlet(BaseDynamics):
             self._random_seed = int(random_seed)
         self._generator: torch.Generator | None = None
 
+    def set_dt(self, dt: float) -> None:
+        """Change the time step, fs, from the next step on.
+
+        Parameters
+        ----------
+        dt : float
+            New time step, fs (> 0).
+        """
+        self.dt = finite_positive("dt (fs)", dt)
+        self._dt_internal = fs_to_ase_time(self.dt)
+
     # -- randomness -------------------------------------------------------------
 
     @property

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+from ase import units
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.md import (
@@ -13,8 +15,13 @@ from nvalchemi_ase.md.md import (
     checked_numbers,
     resolve_seed,
 )
+from nvalchemi_ase.md.parameters import (
+    as_given,
+    positive_timestep,
+    update_engine_state,
+)
 from nvalchemi_ase.typing import ImagesLike, RNGLike
-from nvalchemi_ase.units import ase_time_to_fs
+from nvalchemi_ase.units import ase_time_to_fs, thermal_energy_nvalchemi
 
 __all__ = ["Andersen"]
 
@@ -71,6 +78,55 @@ class Andersen(BatchedMolecularDynamics):
         self.fix_com = bool(fixcm)
         self.seed = resolve_seed(seed, rng)
         super().__init__(images, timestep, **kwargs)
+
+    # -- ASE's attributes and setters ---------------------------------------------
+
+    @property
+    def temp(self) -> float | npt.NDArray[np.float64]:
+        """k_B T of the bath, eV (ASE's attribute; one per structure for many)."""
+        kelvin = np.asarray(self.temperature_K, dtype=np.float64)
+        return as_given(self, units.kB * np.broadcast_to(kelvin, (len(self.images),)))
+
+    def set_temperature(self, temperature_K: Any) -> None:
+        """Change the bath temperature, K, from the next step on (ASE's method).
+
+        Parameters
+        ----------
+        temperature_K : float or array_like, shape (B,)
+            New temperature(s), K.
+        """
+        self._per_structure("temperature_K", temperature_K)  # checked first
+        self.temperature_K = temperature_K
+        update_engine_state(
+            self, "kT", thermal_energy_nvalchemi(self._engine_temperature())
+        )
+
+    def set_andersen_prob(self, andersen_prob: Any) -> None:
+        """Change the collision probability from the next step on (ASE's method).
+
+        Parameters
+        ----------
+        andersen_prob : float or array_like, shape (B,)
+            New probability (probabilities) per step and velocity component.
+        """
+        previous, self.andersen_prob = self.andersen_prob, andersen_prob
+        try:
+            probabilities = self._probabilities()  # checked before any change
+        except (TypeError, ValueError):
+            self.andersen_prob = previous
+            raise
+        update_engine_state(self, "collision_probability", probabilities)
+
+    def set_timestep(self, timestep: float) -> None:
+        """Change the time step, ASE time units, from the next step on (ASE's).
+
+        Parameters
+        ----------
+        timestep : float
+            New time step.
+        """
+        self.dt = positive_timestep(timestep)
+        self.engine.set_dt(ase_time_to_fs(self.dt))
 
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from ase import units
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.md.md import (
@@ -14,6 +15,7 @@ from nvalchemi_ase.md.md import (
     checked_numbers,
     resolve_seed,
 )
+from nvalchemi_ase.md.parameters import as_given
 from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import ase_time_to_fs
 
@@ -65,6 +67,23 @@ class Bussi(BatchedMolecularDynamics):
         self.taut = checked_numbers("taut", taut)
         self.seed = resolve_seed(seed, rng)
         super().__init__(images, timestep, **kwargs)
+
+    @property
+    def temp(self) -> float | npt.NDArray[np.float64]:
+        """k_B T of the bath, eV (ASE's attribute; one per structure for many)."""
+        kelvin = np.asarray(self.temperature_K, dtype=np.float64)
+        return as_given(self, units.kB * np.broadcast_to(kelvin, (len(self.images),)))
+
+    @property
+    def ndof(self) -> float | npt.NDArray[np.float64]:
+        """Degrees of freedom the thermostat uses: ASE's count (3 per free atom)."""
+        counts = [atoms.get_number_of_degrees_of_freedom() for atoms in self.images]
+        return as_given(self, np.asarray(counts, dtype=np.float64))
+
+    @property
+    def target_kinetic_energy(self) -> float | npt.NDArray[np.float64]:
+        """½ N_f k_B T, eV: the mean kinetic energy the thermostat aims at."""
+        return as_given(self, 0.5 * np.asarray(self.temp) * np.asarray(self.ndof))
 
     @property
     def transferred_energy(self) -> npt.NDArray[np.float64]:
