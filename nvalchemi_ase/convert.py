@@ -442,7 +442,9 @@ def update_atoms(
             cell = atoms.cell.array.copy()
             new_cell = host.system("cell", index)
             cell[~padding] = new_cell[~padding]
-            atoms.set_cell(cell)
+            # the batch already obeys the constraints (dynamics/constraints.py);
+            # FixSymmetry.adjust_cell would treat the whole run as one step
+            atoms.set_cell(cell, apply_constraint=False)
         if write_momenta[index]:
             _write_momenta(atoms, host, index)
         if result_dicts is not None and result_dicts[index]:
@@ -1631,7 +1633,8 @@ def _write_momenta(atoms: Atoms, host: _HostCopy, index: int) -> None:
         return
     velocities = host.split("velocities", index)
     if "momenta" in atoms.arrays or np.any(velocities != 0.0):
-        atoms.set_momenta(velocities_to_momenta(velocities, atoms.get_masses()))
+        momenta = velocities_to_momenta(velocities, atoms.get_masses())
+        atoms.set_momenta(momenta, apply_constraint=False)
 
 
 def _store_results(atoms: Atoms, results: dict[str, Any]) -> None:

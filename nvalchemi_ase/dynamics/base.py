@@ -29,6 +29,7 @@ from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
 from nvalchemi_ase.devices import DtypeLike
+from nvalchemi_ase.dynamics.constraints import BatchConstraints
 from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
 from nvalchemi_ase.dynamics.failures import (
     DynamicsFailureError,
@@ -627,6 +628,11 @@ class BatchedDynamics(AseBaseDynamics):
         hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
         if bool((self.batch.atom_categories == FROZEN_CATEGORY).any()):
             hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
+        self._constraints = BatchConstraints(self.images, self.batch)
+        if self._constraints.any:
+            hooks += self._constraints.hooks(
+                stages, momenta=self.velocities_are_momenta
+            )
         return hooks
 
     def _attach_calculators(self) -> None:
@@ -693,6 +699,14 @@ class BatchedDynamics(AseBaseDynamics):
             self.engine.register_hook(
                 freeze_hook(zero_velocities=self.velocities_are_momenta)
             )
+        had_constraints = self._constraints.any
+        self._constraints.refresh(self.images)
+        if self._constraints.any and not had_constraints:
+            stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+            for hook in self._constraints.hooks(
+                stages, momenta=self.velocities_are_momenta
+            ):
+                self.engine.register_hook(hook)
         self._constraints_written = _constraint_state(self.images)
         self._primed = False
 

@@ -17,11 +17,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from ase import Atoms
-from ase.constraints import FixAtoms
 
 from nvalchemi_ase.calculator import NVAlchemiCalculator
 from nvalchemi_ase.convert import check_images
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
+from nvalchemi_ase.dynamics.constraints import (
+    SUPPORTED_CONSTRAINTS,
+    unsupported_constraint,
+)
 from nvalchemi_ase.models import model_native_dtype, resolve_model
 
 if TYPE_CHECKING:
@@ -174,7 +177,10 @@ def _check_filter_options(index: int, item: Any) -> None:
 
 
 def check_constraints(atoms_list: list[Atoms]) -> None:
-    """Raise unless every constraint is ``FixAtoms`` (nvalchemi's frozen atoms).
+    """Raise unless every constraint is one the dynamics honour.
+
+    ``FixAtoms`` (nvalchemi's frozen atoms) and ``FixCartesian``, ``FixCom``
+    and ``FixSymmetry`` (:mod:`nvalchemi_ase.dynamics.constraints`).
 
     Parameters
     ----------
@@ -187,13 +193,14 @@ def check_constraints(atoms_list: list[Atoms]) -> None:
         Naming the structure and the constraint class.
     """
     for index, atoms in enumerate(atoms_list):
-        for constraint in atoms.constraints:
-            if not isinstance(constraint, FixAtoms):
-                raise ValueError(
-                    f"images[{index}] has constraint {type(constraint).__name__}; "
-                    "nvalchemi's engines honour only FixAtoms (frozen atoms). Remove "
-                    "it, or run this structure with ASE's own dynamics"
-                )
+        name = unsupported_constraint(atoms)
+        if name is not None:
+            supported = ", ".join(c.__name__ for c in SUPPORTED_CONSTRAINTS)
+            raise ValueError(
+                f"images[{index}] has constraint {name}; the batched dynamics "
+                f"honour {supported}. Remove it, or run this structure with "
+                "ASE's own dynamics"
+            )
 
 
 def resolve_model_setup(
