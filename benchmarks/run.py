@@ -780,6 +780,7 @@ BENCHMARKS = {
     "runners": lambda s, r: importlib.import_module("benchmarks.runners").run(s, r),
     "neb": lambda s, r: importlib.import_module("benchmarks.neb").neb_paths(s, r),
     "properties": lambda *a: importlib.import_module("benchmarks.properties").run(*a),
+    "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
 }
 
 
