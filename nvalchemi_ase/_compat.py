@@ -34,8 +34,11 @@ __all__ = [
     "engine_state",
     "ensure_bookkeeping_fields",
     "frozen_category",
+    "load_neighbor_hook_state",
     "make_state_batch",
+    "masked_pre_update",
     "neighbor_hook_reference",
+    "neighbor_hook_state",
     "open_hooks",
     "prime_engine",
 ]
@@ -131,12 +134,42 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         "override it on the demo model to check compute_hessian against finite "
         "differences",
     ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_masked_pre_update",
+        ("batch", "mask"),
+        "replay an L-BFGS trajectory into the engine for some structures only",
+    ),
+    PrivateMember(
+        "nvalchemi.neighbors",
+        "",
+        "_write_neighbor_data_to_batch",
+        (
+            "batch",
+            "neighbor_matrix",
+            "num_neighbors",
+            "neighbor_matrix_shifts",
+            "format",
+            "cutoff",
+        ),
+        "put a restored neighbour list back into the batch (exact restart)",
+    ),
 )
 
 # Attributes (not callables) read or written; checked on live objects.
 PRIVATE_ATTRIBUTES = {
     "BaseDynamics": ("_admission_initialized", "_forces_primed", "_state"),
-    "NeighborListHook": ("_ref_positions", "_alloc_N", "_alloc_B"),
+    "NeighborListHook": (
+        "_ref_positions",
+        "_alloc_N",
+        "_alloc_B",
+        "_neighbor_matrix",
+        "_num_neighbors",
+        "_neighbor_matrix_shifts",
+        "_max_neighbors",
+        "_col_range",
+    ),
 }
 
 
@@ -177,6 +210,78 @@ def eager_call(compiled: Any) -> Any:
 def neighbor_hook_reference(hook: Any) -> tuple[torch.Tensor | None, int, int]:
     """Positions a ``NeighborListHook`` built its list at, and its sizes (V, B)."""
     return hook._ref_positions, hook._alloc_N, hook._alloc_B
+
+
+def neighbor_hook_state(hook: Any) -> dict[str, torch.Tensor]:
+    """Return the list a ``NeighborListHook`` holds (copies), for a checkpoint.
+
+    Returns
+    -------
+    dict of torch.Tensor
+        ``matrix`` [V, K] and ``num_neighbors`` [V] (int32), and where they
+        exist ``shifts`` [V, K, 3] (int32) and ``reference_positions`` [V, 3]
+        Å (positions at the last build, for the skin test). Empty before the
+        first build.
+    """
+    if hook._neighbor_matrix is None:
+        return {}
+    state = {
+        "matrix": hook._neighbor_matrix.detach().clone(),
+        "num_neighbors": hook._num_neighbors.detach().clone(),
+    }
+    if hook._neighbor_matrix_shifts is not None:
+        state["shifts"] = hook._neighbor_matrix_shifts.detach().clone()
+    if hook._ref_positions is not None:
+        state["reference_positions"] = hook._ref_positions.detach().clone()
+    return state
+
+
+def load_neighbor_hook_state(
+    hook: Any, state: dict[str, torch.Tensor], batch: Batch
+) -> None:
+    """Give a built ``NeighborListHook`` the list of :func:`neighbor_hook_state`.
+
+    The hook must have built a list for ``batch`` once (same atoms and
+    systems), so its staging buffers exist; its list, neighbour capacity K and
+    skin reference are replaced and the batch's neighbour fields rewritten, so
+    the next evaluations sum the same pairs in the same order as the run that
+    wrote the checkpoint.
+    """
+    neighbors = import_quietly("nvalchemi.neighbors")
+    matrix = state["matrix"].to(hook._neighbor_matrix.device)
+    hook._neighbor_matrix = matrix
+    hook._num_neighbors = state["num_neighbors"].to(matrix.device)
+    shifts = state.get("shifts")
+    hook._neighbor_matrix_shifts = None if shifts is None else shifts.to(matrix.device)
+    reference = state.get("reference_positions")
+    if reference is not None:
+        hook._ref_positions = reference.to(matrix.device)
+    hook._max_neighbors = int(matrix.shape[1])
+    hook._col_range = _arange(int(matrix.shape[1]), matrix.device)
+    neighbors._write_neighbor_data_to_batch(
+        batch,
+        hook._neighbor_matrix,
+        hook._num_neighbors,
+        hook._neighbor_matrix_shifts,
+        hook.config.format,
+        hook.config.cutoff,
+    )
+
+
+def _arange(count: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(count)`` as int32 on ``device`` (torch imported lazily)."""
+    import torch
+
+    return torch.arange(count, device=device, dtype=torch.int32)
+
+
+def masked_pre_update(engine: BaseDynamics, batch: Batch, mask: torch.Tensor) -> None:
+    """Run the engine's ``pre_update`` for the graphs in ``mask`` [B] only.
+
+    Positions, velocities and the engine's state of the other graphs are put
+    back afterwards (what ``FusedStage`` does with each sub-stage).
+    """
+    engine._masked_pre_update(batch, mask)
 
 
 def make_state_batch(data: dict[str, torch.Tensor], device: torch.device) -> Batch:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -285,3 +286,19 @@ def test_demo_runs_and_writes_plots(tmp_path, capsys):
     for name in ("relax.png", "md.png"):
         assert (out / name).stat().st_size > 10_000
     assert len(read(out / "relaxed.extxyz", ":")) == 3
+
+
+def test_command_line_lets_waiting_openmp_threads_sleep(monkeypatch):
+    import torch  # noqa: F401 - loaded, as in any process that computed something
+
+    from nvalchemi_ase.cli import main as cli_main
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli_main._prefer_passive_openmp()  # torch is imported: too late, left alone
+    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delitem(sys.modules, "torch")
+    cli_main._prefer_passive_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    cli_main._prefer_passive_openmp()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -232,7 +232,6 @@ def test_bfgs_state_widens_for_larger_admitted_structures(lj_calc64):
         (lambda images: BFGS(images, alpha=0.0), "alpha must be positive"),
         (lambda images: MDMin(images, dt=-0.2), "dt must be positive"),
         (lambda images: MDMin(images, maxstep=-1.0), "maxstep must be positive"),
-        (lambda images: BFGS(images, restart="bfgs.json"), "restart files"),
         (
             lambda images: BFGS([FrechetCellFilter(a) for a in images]),
             "BFGS with a cell filter is not supported",

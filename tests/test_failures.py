@@ -345,3 +345,38 @@ def test_relax_then_md_isolates_a_failing_structure():
             atoms.positions, expected.positions, atol=SAME_PATH_ATOL, rtol=0
         )
     assert np.isfinite(images[1].positions).all()
+
+
+def test_guard_quick_test_answers_as_the_exact_one(fresh_lj):
+    """The cheap whole-batch test may only send a batch on to the exact one."""
+    dyn = _run_vv(_argon(3), fresh_lj, 2)
+    guard, batch = dyn._guard, dyn.batch
+    guard.take_snapshot(batch)
+    limits = guard.limits
+
+    def verdicts(key, value):
+        """(quick, exact, answer) with one component of ``key`` set to ``value``."""
+        target = getattr(batch, key)
+        saved = target.clone()
+        target.view(-1)[0] = value
+        try:
+            return (
+                guard._clearly_within_limits(batch),
+                guard._within_limits(batch),
+                guard._all_within_limits(batch),
+            )
+        finally:
+            target.copy_(saved)
+
+    position = float(batch.positions[0, 0])
+    assert verdicts("positions", position) == (True, True, True)
+    for key in ("positions", "velocities", "forces", "cell", "energy"):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            assert verdicts(key, bad) == (False, False, False), (key, bad)
+    # |F| or a step between limit / sqrt(3) and the limit: the exact test decides
+    assert verdicts("forces", 0.9 * limits.max_force) == (False, True, True)
+    assert verdicts("forces", 1.01 * limits.max_force) == (False, False, False)
+    step = 0.9 * limits.max_displacement
+    assert verdicts("positions", position + step) == (False, True, True)
+    step = 1.01 * limits.max_displacement
+    assert verdicts("positions", position - step) == (False, False, False)

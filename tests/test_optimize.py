@@ -199,8 +199,6 @@ def test_bad_optimizer_arguments(lj_calc64):
     atoms = rattled_bulk(repeat=2)
     atoms.calc = lj_calc64
     before = snapshot(atoms)
-    with pytest.raises(ValueError, match="restart files are not supported"):
-        FIRE(atoms, restart="opt.json")
     with pytest.raises(ValueError, match="maxstep must be positive"):
         LBFGS(atoms, maxstep=-0.1)
     with pytest.raises(ValueError, match="fmax must be positive"):
@@ -213,3 +211,44 @@ def test_triclinic_and_cluster_relax_with_fire2(lj_calc64):
     for atoms in images:
         atoms.calc = lj_calc64
     assert FIRE2(images, logfile=None).run(fmax=0.01, steps=2000)
+
+
+# Batched vs one-by-one evaluation of the same float64 model: round-off only.
+SAME_PATH_ATOL = 1e-12
+
+
+def test_status_column_appears_once_a_structure_converged_and_freezes_it(lj_calc64):
+    """No ``status`` column (nvalchemi's masked step) until a structure is done.
+
+    It is created mid-run, at the step the first structure converges; from that
+    step on that structure must not move, and each follows the path it takes
+    alone.
+    """
+
+    def structures():
+        return [
+            rattled_bulk(repeat=2, seed=1, stdev=0.02),  # converges first
+            rattled_bulk(repeat=2, seed=2, stdev=0.15),
+        ]
+
+    images = structures()
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = FIRE(images, logfile=None)
+    seen = []  # (status column present, positions of the early structure)
+    opt.attach(lambda: seen.append(("status" in opt.batch, images[0].positions.copy())))
+    assert opt.run(fmax=0.01, steps=500)
+    early, late = opt.converged_at_step
+    assert 0 < early < late
+    present = [has_status for has_status, _ in seen]
+    assert present == [step >= early for step in range(late + 1)]
+    for _, positions in seen[early:]:
+        np.testing.assert_array_equal(positions, seen[early][1])
+    for index, atoms in enumerate(structures()):
+        atoms.calc = fresh_calc(lj_calc64.model)
+        alone = FIRE(atoms, logfile=None)
+        assert alone.run(fmax=0.01, steps=500)
+        assert alone.nsteps == opt.converged_at_step[index]
+        np.testing.assert_allclose(
+            images[index].positions, atoms.positions, atol=SAME_PATH_ATOL, rtol=0
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -90,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     int
         Process exit status (0 on success).
     """
+    _prefer_passive_openmp()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -113,6 +115,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "" if status == _INTERRUPTED else "error: "
         _print_error(args.command, prefix + message)
         return status
+
+
+def _prefer_passive_openmp() -> None:
+    """Let waiting OpenMP threads sleep, unless the user chose ``OMP_WAIT_POLICY``.
+
+    With libgomp's default policy a thread that reaches the end of a parallel
+    region spins, and on a loaded machine each region then waits for a
+    thread whose core another process holds: tiny torch operations (a
+    ``torch.where`` on 3456 x 3 floats, a ``repeat_interleave`` of 32
+    elements) took 12-16 ms instead of 10-40 µs at load 9-12 on 2 cores, and
+    whole relaxations 2.7x longer; ``PASSIVE`` was as fast or faster in every
+    measurement of docs/performance.md. OpenMP reads the policy once, when
+    torch loads it, so this is done only in a command-line process that has
+    not imported torch yet; the library itself never sets it.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _print_error(command: str, message: str) -> None:

@@ -17,6 +17,7 @@ structures between runs are picked up when the next run starts.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,16 @@ from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
 from nvalchemi_ase.devices import DtypeLike
+from nvalchemi_ase.dynamics.checkpoint import (
+    DEFAULT_RESTART_INTERVAL,
+    Checkpoint,
+    capture,
+    check_matches,
+    read_checkpoint,
+    restore_engine,
+    restore_structures,
+    write_checkpoint,
+)
 from nvalchemi_ase.dynamics.constraints import BatchConstraints
 from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
 from nvalchemi_ase.dynamics.failures import (
@@ -43,6 +54,7 @@ from nvalchemi_ase.dynamics.failures import (
 from nvalchemi_ase.dynamics.images import (
     CellFilterSpec,
     check_constraints,
+    integer_argument,
     resolve_images,
     resolve_model_setup,
 )
@@ -122,6 +134,25 @@ class BatchedDynamics(AseBaseDynamics):
         Largest force (eV/Å), largest displacement per step (Å) and largest
         volume factor before a structure counts as exploded (defaults in
         :class:`~nvalchemi_ase.dynamics.failures.FailureLimits`).
+    restart : str or path, optional
+        Checkpoint file (ASE's ``restart``). If it exists, the run continues
+        from it: structures, velocities, cells, the engine's per-structure
+        state, neighbour lists, failure flags and ``nsteps``, so the continued
+        run is bit-identical to an uninterrupted one; a file written for other
+        structures, another class, model or arguments is refused
+        (:class:`~nvalchemi_ase.dynamics.checkpoint.CheckpointError`). Either
+        way it is (re)written every ``restart_interval`` steps and at the end
+        of every ``run()``. Format: :mod:`nvalchemi_ase.dynamics.checkpoint`.
+        With ``append_trajectory=True`` a continued run writes no frame for
+        the step it starts from (the earlier run wrote it), so the trajectory
+        holds the frames of one uninterrupted run (ASE's MD restarted from
+        its last frame writes that frame twice); frames a killed run wrote
+        after its last checkpoint are cut from the files first (each ``.traj``
+        file is rewritten with the frames the checkpoint counted).
+    restart_interval : int, optional
+        Steps between checkpoint writes (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`,
+        100; ASE writes every step, ``restart_interval=1``).
     """
 
     #: Engine protocol: whether structures may be given as cell filters.
@@ -144,6 +175,8 @@ class BatchedDynamics(AseBaseDynamics):
         progress: bool | None = False,
         on_failure: OnFailure = "isolate",
         failure_limits: FailureLimits | None = None,
+        restart: str | os.PathLike[str] | None = None,
+        restart_interval: int | None = None,
     ) -> None:
         self.on_failure: OnFailure = resolve_on_failure(on_failure)
         if failure_limits is not None and not isinstance(failure_limits, FailureLimits):
@@ -194,6 +227,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._guard.variable_cell = "stress" in self.engine_outputs()
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
+        self._pending_checkpoint: Checkpoint | None = None
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
@@ -211,6 +245,7 @@ class BatchedDynamics(AseBaseDynamics):
                 interval=loginterval,
             )
         self._setup_logging(logfile)
+        self._setup_restart(restart, restart_interval)
 
     # ------------------------------------------------------------------
     # Engine protocol: what an md/ or optimize/ class tells the run machinery
@@ -259,6 +294,9 @@ class BatchedDynamics(AseBaseDynamics):
     def default_skin(self) -> float:
         """Verlet skin of the neighbour list when none is given, Å."""
         return DEFAULT_SKIN
+
+    def _after_priming(self) -> None:
+        """Adjust the engine's fresh state before the first step (subclasses)."""
 
     def _progress_note(self) -> str | None:
         """Text shown after the progress bar (optimizers: structures converged)."""
@@ -501,13 +539,16 @@ class BatchedDynamics(AseBaseDynamics):
     def _running(self) -> Iterator[None]:
         """Prepare the engine for a run; write the final state back after it."""
         self._adopt_external_changes()
-        ok = False
+        ok = stopped = False
         self._driver.open()
         if self.progress:
             self._bar = ProgressBar(type(self).__name__, self.max_steps - self.nsteps)
         try:
             yield
             ok = True
+        except GeneratorExit:
+            stopped = True  # the caller left irun() at a yield: the state is whole
+            raise
         finally:
             if self._bar is not None:
                 self._bar.close()
@@ -515,6 +556,8 @@ class BatchedDynamics(AseBaseDynamics):
             self._driver.close()
             try:
                 self._finish_run(ok)
+                if (ok or stopped) and self._primed:
+                    self._checkpoint_if_new()
             finally:
                 # files are complete after every run, and reopened to append
                 self.trajectories.close()
@@ -528,6 +571,10 @@ class BatchedDynamics(AseBaseDynamics):
         self._guard.forget_snapshot()
         with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
             self._driver.prime()
+        if self._pending_checkpoint is not None:
+            checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
+            restore_engine(self, checkpoint)
+        self._after_priming()
         self._primed = True
         if self._reads_are_free:
             self._absorb_failures()
@@ -717,6 +764,104 @@ class BatchedDynamics(AseBaseDynamics):
         for position, hook in enumerate(hooks):
             if is_neighbor_hook(hook):
                 hooks[position] = next(fresh)
+
+    # ------------------------------------------------------------------
+    # Checkpoints (restart=)
+    # ------------------------------------------------------------------
+
+    def write_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Write a checkpoint of the current state now (atomically).
+
+        Parameters
+        ----------
+        path : str or path, optional
+            Destination; default ``restart``. A new object given it as
+            ``restart=`` continues from this state exactly.
+        """
+        target = self.restart if path is None else path
+        if target is None:
+            raise ValueError("give a path, or create this object with restart=PATH")
+        if not self._primed:
+            raise RuntimeError(
+                f"{type(self).__name__}.write_checkpoint: nothing to checkpoint "
+                "before the first evaluation; call run() (run(0) is enough) first"
+            )
+        meta, arrays = capture(self)
+        write_checkpoint(target, meta, arrays)
+        if path is None:
+            self._checkpoint_nsteps = self.nsteps
+
+    def _setup_restart(
+        self, restart: str | os.PathLike[str] | None, interval: int | None
+    ) -> None:
+        """Continue from ``restart`` if it exists; schedule its writes."""
+        self.restart: str | None = None if restart is None else os.fspath(restart)
+        self.restart_interval = (
+            DEFAULT_RESTART_INTERVAL
+            if interval is None
+            else integer_argument("restart_interval", interval, "steps")
+        )
+        if self.restart_interval < 1:
+            raise ValueError(
+                f"restart_interval must be >= 1 (steps), got {self.restart_interval}"
+            )
+        self._checkpoint_nsteps = -1
+        self._trajectory_frames0: npt.NDArray[np.int64] | None = None
+        if self.restart is None:
+            return
+        if os.path.exists(self.restart):
+            checkpoint = read_checkpoint(self.restart)
+            check_matches(self, checkpoint)
+            self._continue_from(checkpoint)
+        if self.trajectories:
+            # frames already in the files (appending), for the checkpoint's count
+            self._trajectory_frames0 = self.trajectories.frame_counts()
+        self.attach(internal(self._checkpoint_observer), interval=self.restart_interval)
+
+    def _continue_from(self, checkpoint: Checkpoint) -> None:
+        """Take a checkpoint's state; the engine's follows at the first evaluation."""
+        restore_structures(self, checkpoint)
+        self._failures = self._guard.new_failures()  # known: not warned again
+        update_atoms(
+            self.images,
+            self.batch,
+            results=False,
+            momenta=np.broadcast_to(self._momenta_mask(), (len(self.images),)),
+            rotation=self._writeback_rotation(),
+        )
+        with torch.no_grad():
+            self._positions_at_write.copy_(self.batch.positions)
+            self._cell_at_write.copy_(self.batch.cell)
+        self._written = self._snapshot_atoms()
+        self._primed = False
+        self._pending_checkpoint = checkpoint
+        self._checkpoint_nsteps = self.nsteps
+
+    def _checkpoint_observer(self) -> None:
+        if self.nsteps > 0:
+            self._checkpoint_if_new()
+
+    def _checkpoint_if_new(self) -> None:
+        if self.restart is not None and self._checkpoint_nsteps != self.nsteps:
+            self.write_checkpoint()
+
+    def _checkpoint_extras(self) -> dict[str, npt.NDArray[Any]]:
+        """Class-specific arrays a checkpoint keeps (subclasses extend)."""
+        extras = {"frame_steps": self._frame_steps.copy()}
+        if self._trajectory_frames0 is not None:
+            counts = self._trajectory_frames0 + self.trajectories.written
+            extras["trajectory_frames"] = np.where(
+                self._trajectory_frames0 < 0, -1, counts
+            )
+        return extras
+
+    def _restore_checkpoint_extras(self, extras: dict[str, npt.NDArray[Any]]) -> None:
+        """Take back what :meth:`_checkpoint_extras` saved (subclasses extend)."""
+        if "frame_steps" in extras:
+            self._frame_steps = extras["frame_steps"].astype(np.int64)
+        if "trajectory_frames" in extras and self.trajectories:
+            # frames a killed run wrote after this checkpoint would repeat
+            self.trajectories.truncate(extras["trajectory_frames"])
 
     def per_structure_thermo(self) -> dict[str, npt.NDArray[np.float64]]:
         """Per-structure energies and temperature, read from the batch in one transfer.

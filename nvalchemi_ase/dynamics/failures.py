@@ -25,6 +25,8 @@ failure read back raises :class:`DynamicsFailureError` instead.
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +68,11 @@ FAILURE_REASONS: dict[int, str] = {
 # Fields restored from the snapshot (the state the next step depends on).
 _ATOM_FIELDS = ("positions", "velocities", "forces")
 _SYSTEM_FIELDS = ("cell", "energy", "stress")
+
+# A largest component below limit * _COMPONENT_BOUND keeps the norm below the
+# limit, with room for the round-off of the exact test's sum of squares.
+_COMPONENT_BOUND = (1.0 - 1e-6) / math.sqrt(3.0)
+_FINITE = (-sys.float_info.max, sys.float_info.max)
 
 
 @dataclass(frozen=True)
@@ -292,6 +299,31 @@ class FailureGuard:
         """Take the batch's current cells as the reference for the volume limit."""
         self._volume0 = _volumes(batch)
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Return flags, failure steps, reasons and reference volumes (checkpoints).
+
+        Returns
+        -------
+        dict of torch.Tensor, each shape (B,)
+            ``failed`` (bool), ``step`` and ``code`` (int64), ``volume0`` (Å³).
+        """
+        return {
+            "failed": self.failed.clone(),
+            "step": self.step.clone(),
+            "code": self.code.clone(),
+            "volume0": self._volume0.clone(),
+        }
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back what :meth:`state` returned; the failures count as unread."""
+        device = self.failed.device
+        self.failed = state["failed"].to(device=device, dtype=torch.bool)
+        self.step = state["step"].to(device=device, dtype=torch.long)
+        self.code = state["code"].to(device=device, dtype=torch.long)
+        self._volume0 = state["volume0"].to(device=device, dtype=self._volume0.dtype)
+        self._any_failed = bool(self.failed.any())
+        self._known[:] = False
+
     # -- host side ----------------------------------------------------------------
 
     def new_failures(
@@ -334,7 +366,59 @@ class FailureGuard:
     # -- internals ---------------------------------------------------------------
 
     def _all_within_limits(self, batch: Batch) -> bool:
-        """Whole-batch test that nothing is off (host branch; CPU only)."""
+        """Whole-batch test that nothing is off (host branch; CPU only).
+
+        A cheap sufficient test first (:meth:`_clearly_within_limits`); only
+        when it fails does the exact whole-batch test decide, so the answer is
+        always the exact test's.
+        """
+        return self._clearly_within_limits(batch) or self._within_limits(batch)
+
+    def _clearly_within_limits(self, batch: Batch) -> bool:
+        """One reduction per field and one read back; True implies the exact test's.
+
+        A sum is finite only if every element is (an overflow only sends the
+        batch to the exact test), so is a step from the snapshot only if the
+        positions are, and the largest force and step component bound the
+        norms: ``|v| <= sqrt(3) max|v_i|``.
+        """
+        previous = self._snapshot.get("positions") if self._has_snapshot else None
+        if previous is not None and not previous.numel():
+            previous = None
+        summed = ["velocities", "cell", "energy"]
+        if previous is None:
+            summed.append("positions")
+        values: list[torch.Tensor] = []
+        ranges: list[tuple[float, float]] = []  # closed; NaN is in none
+        for key in summed:
+            value = _field(batch, key)
+            if value is not None:
+                values.append(value.sum())
+                ranges.append(_FINITE)
+        forces = _field(batch, "forces")
+        if forces is not None and forces.numel():
+            bound = self.limits.max_force * _COMPONENT_BOUND
+            values += torch.aminmax(forces)
+            ranges += [(-bound, bound)] * 2
+        if previous is not None:
+            bound = self.limits.max_displacement * _COMPONENT_BOUND
+            values += torch.aminmax(batch.positions - previous)
+            ranges += [(-bound, bound)] * 2
+        if self.variable_cell:
+            ratio = _volumes(batch) / self._volume0
+            factor = self.limits.max_volume_factor
+            values += torch.aminmax(ratio)
+            ranges += [(1.0 / factor, factor)] * 2
+        if not values:
+            return True
+        read = torch.stack(values).tolist()  # dtypes promote exactly
+        return all(
+            lower <= value <= upper
+            for value, (lower, upper) in zip(read, ranges, strict=True)
+        )
+
+    def _within_limits(self, batch: Batch) -> bool:
+        """Test the whole batch exactly: a structure may be off only if this fails."""
         for key in ("positions", "velocities", "forces", "cell", "energy"):
             value = _field(batch, key)
             if value is not None and not bool(torch.isfinite(value).all()):

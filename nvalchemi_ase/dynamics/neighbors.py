@@ -21,14 +21,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nvalchemi_ase._compat import eager_call, neighbor_hook_reference
+from nvalchemi_ase._compat import (
+    eager_call,
+    load_neighbor_hook_state,
+    neighbor_hook_reference,
+    neighbor_hook_state,
+)
 from nvalchemi_ase._quiet import import_quietly
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["is_neighbor_hook", "neighbor_hooks"]
+__all__ = [
+    "is_neighbor_hook",
+    "load_neighbor_state",
+    "neighbor_hooks",
+    "neighbor_state",
+]
 
 
 def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
@@ -92,6 +102,50 @@ def _skipping_hook_class() -> type:
             self._cell_at_build = _cell_of(batch)
 
     return SkinNeighborListHook
+
+
+def neighbor_state(hook: Any) -> dict[str, torch.Tensor]:
+    """Return the list ``hook`` holds, for a checkpoint (copies; empty if unbuilt).
+
+    Parameters
+    ----------
+    hook : SkinNeighborListHook
+        A hook made by :func:`neighbor_hooks`.
+
+    Returns
+    -------
+    dict of torch.Tensor
+        nvalchemi's list (``matrix`` [V, K], ``num_neighbors`` [V], ``shifts``
+        [V, K, 3], ``reference_positions`` [V, 3] Å) and ``cell_at_build``
+        [B, 3, 3] Å, the cells the skin test compares against.
+    """
+    state = neighbor_hook_state(hook)
+    if state and hook._cell_at_build is not None:
+        state["cell_at_build"] = hook._cell_at_build.clone()
+    return state
+
+
+def load_neighbor_state(
+    hook: Any, state: dict[str, torch.Tensor], batch: Batch
+) -> None:
+    """Give ``hook`` (built once for ``batch``) the list of :func:`neighbor_state`.
+
+    Parameters
+    ----------
+    hook : SkinNeighborListHook
+        A hook that has built a list for ``batch`` (after the priming
+        evaluation).
+    state : dict of torch.Tensor
+        What :func:`neighbor_state` returned in the run being continued.
+    batch : Batch
+        The batch; its neighbour fields are rewritten.
+    """
+    if not state:
+        return
+    load_neighbor_hook_state(hook, state, batch)
+    hook._written = _neighbor_data(batch)
+    cell = state.get("cell_at_build")
+    hook._cell_at_build = None if cell is None else cell.to(batch.device)
 
 
 def _list_still_holds(hook: Any, batch: Batch) -> bool:

@@ -18,6 +18,7 @@ when it opens the file; ASE 3.29's dynamics open it only when the run starts).
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable, Sequence
 from os import PathLike
 from pathlib import Path
@@ -59,6 +60,8 @@ class TrajectorySet:
         _check_targets(self._targets)
         self._description = description
         self._writers: dict[int, Any] = {}
+        #: Frames this set has written, per structure, shape (B,).
+        self.written = np.zeros(count, dtype=np.int64)
         if not append:
             for target in self._targets:
                 if isinstance(target, Path):
@@ -99,6 +102,54 @@ class TrajectorySet:
         """
         for index in map(int, np.flatnonzero(active)):
             self._writer(index).write(images[index])
+            self.written[index] += 1
+
+    def frame_counts(self) -> npt.NDArray[np.int64]:
+        """Frames in each structure's file now, shape (B,) (-1: not a file).
+
+        Returns
+        -------
+        numpy.ndarray of int
+            0 for a file that does not exist yet.
+        """
+        from ase.io.trajectory import Trajectory
+
+        counts = np.full(len(self._targets), -1, dtype=np.int64)
+        for index, target in enumerate(self._targets):
+            if not isinstance(target, Path):
+                continue
+            counts[index] = 0
+            if target.exists() and target.stat().st_size > 0:
+                with Trajectory(target, "r") as reader:
+                    counts[index] = len(reader)
+        return counts
+
+    def truncate(self, frames: npt.NDArray[np.int64]) -> None:
+        """Cut every file that holds more than ``frames[i]`` frames back to that.
+
+        Used when a run continues from a checkpoint older than the last
+        frames a killed run wrote: the file is rewritten with its first
+        ``frames[i]`` frames (temporary file, then ``os.replace``).
+
+        Parameters
+        ----------
+        frames : numpy.ndarray of int, shape (B,)
+            Frames to keep per structure (negative: leave alone).
+        """
+        from ase.io.trajectory import Trajectory
+
+        counts = self.frame_counts()
+        for index, target in enumerate(self._targets):
+            keep = int(frames[index])
+            if not isinstance(target, Path) or keep < 0 or counts[index] <= keep:
+                continue
+            with Trajectory(target, "r") as reader:
+                kept = [reader[number] for number in range(keep)]
+            temporary = target.with_name(f".{target.name}.truncated.tmp")
+            with Trajectory(temporary, "w") as writer:
+                for atoms in kept:
+                    writer.write(atoms)
+            os.replace(temporary, target)
 
     def _writer(self, index: int) -> Any:
         writer = self._writers.get(index)

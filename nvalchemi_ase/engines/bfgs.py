@@ -231,6 +231,31 @@ class BFGS(BaseDynamics):
     def post_update(self, batch: Batch) -> None:
         """No-op: the next step uses the forces at the new positions."""
 
+    def replay_frame(
+        self, positions: torch.Tensor, gradient: torch.Tensor, take: torch.Tensor
+    ) -> None:
+        """Take one earlier frame into the Hessians, as ASE's ``replay_trajectory``.
+
+        The first frame a structure is given only becomes its previous point;
+        each later one updates its Hessian (step 1 of the module docstring).
+        The state must exist (after the engine's first evaluation).
+
+        Parameters
+        ----------
+        positions, gradient : torch.Tensor, shape [B, W]
+            The frame's positions (Å) and gradient −F (eV/Å, zero for frozen
+            atoms), padded as :class:`PaddedLayout` does.
+        take : torch.Tensor, shape [B] bool
+            Structures this frame belongs to; the others are left alone.
+        """
+        state = self._state
+        with torch.no_grad():
+            hessian = self._updated_hessian(positions, gradient)
+            keep_inactive(state.hessian, hessian, take)
+            keep_inactive(state.previous_positions, positions, take)
+            keep_inactive(state.previous_gradient, gradient, take)
+            keep_inactive(state.started, torch.ones_like(state.started), take)
+
     def _updated_hessian(
         self, positions: torch.Tensor, gradient: torch.Tensor
     ) -> torch.Tensor:

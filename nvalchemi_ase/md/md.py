@@ -69,8 +69,9 @@ class BatchedMolecularDynamics(BatchedDynamics):
     timestep : float
         Time step in ASE time units (``2 * ase.units.fs`` is 2 fs).
     trajectory, logfile, loginterval, append_trajectory, model, device, dtype,
-    neighbor_skin
-        See :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
+    neighbor_skin, restart, restart_interval
+        See :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics` (ASE's MD has
+        no ``restart``; here it continues a run exactly).
     """
 
     def __init__(

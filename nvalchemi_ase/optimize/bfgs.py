@@ -5,12 +5,17 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.convert import FROZEN_CATEGORY
 from nvalchemi_ase.dynamics.images import real_argument
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
+from nvalchemi_ase.optimize.replay import frame_arrays, replay_frames
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["BFGS"]
+
 
 #: ASE's defaults: largest atomic step (Å) and initial Hessian (eV/Å²).
 DEFAULT_MAXSTEP = 0.2
@@ -64,6 +69,7 @@ class BFGS(BatchedOptimizer):
         self.alpha = (
             DEFAULT_ALPHA if alpha is None else real_argument("alpha", alpha, "eV/Å²")
         )
+        self._replay: list[list[Any]] | None = None
         super().__init__(
             images,
             restart,
@@ -90,6 +96,46 @@ class BFGS(BatchedOptimizer):
                 f"{self.maxstep:.1f} Å",
                 UserWarning,
                 stacklevel=5,
+            )
+
+    def replay_trajectory(self, traj: Any) -> None:
+        """Rebuild every structure's Hessian from its earlier trajectory (ASE's).
+
+        Each structure's frames (positions and forces) update its Hessian as
+        ASE's ``BFGS.replay_trajectory`` does, so a relaxation continued from
+        the last frames starts where the earlier one stopped. Applied before
+        the next step (at once if the optimizer has already run).
+
+        Parameters
+        ----------
+        traj : str, path, Trajectory, list of Atoms, or a sequence of them
+            One trajectory per structure: a ``{i}`` template (as written with
+            ``trajectory="relax_{i}.traj"``) or a list; one structure may give
+            one.
+        """
+        self._replay = replay_frames(traj, self.images)
+        if self._primed:
+            self._after_priming()
+
+    def _after_priming(self) -> None:
+        frames = getattr(self, "_replay", None)
+        if not frames:
+            return
+        self._replay = None
+        engines = import_quietly("nvalchemi_ase.engines.bfgs")
+        engine, batch = self.engine, self.batch
+        layout = engines.PaddedLayout(batch, engine._state_width())
+        free = (batch.atom_categories != FROZEN_CATEGORY).unsqueeze(-1)
+        for number in range(max(len(trajectory) for trajectory in frames)):
+            take = [number < len(trajectory) for trajectory in frames]
+            positions, forces = (
+                torch.as_tensor(array, dtype=batch.positions.dtype, device=batch.device)
+                for array in frame_arrays(frames, number, self.images)
+            )
+            engine.replay_frame(
+                layout.pad(positions),
+                layout.pad(torch.where(free, -forces, 0.0)),
+                torch.as_tensor(take, device=batch.device),
             )
 
     def build_engine(self, hooks: list[Any]) -> Any:
