@@ -3,10 +3,11 @@
 Run ``python -m benchmarks`` (about 10 minutes on a 2-core CPU) or
 ``python -m benchmarks --quick`` (under a minute; checks that every benchmark
 runs, the numbers are not meaningful). ``--device cuda`` runs the same figures on
-a GPU with bigger sizes. The markdown report is printed and written to
-``docs/performance.md`` (``--output`` to change), with the machine, the versions
-and the date. Every figure is a ratio of medians over repeats after warm-up,
-both sides timed in the same process.
+a GPU with bigger sizes. The markdown report is printed; a full run also writes
+it to ``docs/performance.md`` (``--output`` to choose a file, which ``--only``
+and ``--quick`` runs need), with the machine, the versions and the date. Every
+figure is a ratio of medians over repeats after warm-up, both sides timed in the
+same process.
 
 1. Layer overhead: ASE-style ``VelocityVerlet``/``FIRE`` over B structures vs the
    same nvalchemi engine driven directly on the same ``Batch`` doing the same
@@ -205,6 +206,7 @@ def layer_overhead(settings: Settings, report: Report) -> None:
     from nvalchemi_ase._quiet import import_quietly
     from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
     from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
+    from nvalchemi_ase.engines import fire as fire_engines
     from nvalchemi_ase.md import VelocityVerlet
     from nvalchemi_ase.optimize import FIRE
     from nvalchemi_ase.units import ase_time_to_fs
@@ -259,17 +261,14 @@ def layer_overhead(settings: Settings, report: Report) -> None:
         batch.atomic_masses.fill_(1.0)
         if status:
             batch["status"] = torch.zeros(batch_size, 1, dtype=torch.long)
-        with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore", DeprecationWarning
-            )  # FIRE is deprecated in 0.3
-            engine = dynamics.FIRE(
-                model,
-                dt=0.1,
-                dt_max=1.0,
-                maxstep=0.2,
-                hooks=neighbor_hooks(model, DEFAULT_SKIN),
-            )
+        # the engine our FIRE drives: ASE's algorithm, batched (engines/fire.py)
+        engine = fire_engines.FIRE(
+            model,
+            dt=0.1,
+            dtmax=1.0,
+            maxstep=0.2,
+            hooks=neighbor_hooks(model, DEFAULT_SKIN),
+        )
         engine.run(batch, n_steps=steps)
         return batch.positions, builds(engine)
 
@@ -805,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output",
         default=None,
-        help="markdown report (default: docs/performance.md; quick: none)",
+        help="markdown report (default: docs/performance.md for a full run; "
+        "--only and --quick print only)",
     )
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -824,7 +824,9 @@ def main(argv: list[str] | None = None) -> int:
         + "\n\n".join(report.sections)
         + "\n"
     )
-    output = args.output or (None if args.quick else "docs/performance.md")
+    # a partial run (--only) or a quick one must not replace the full report
+    whole = not args.quick and not args.only
+    output = args.output or ("docs/performance.md" if whole else None)
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(text)

@@ -10,6 +10,7 @@ checks and ``status`` masking, and (through :mod:`nvalchemi_ase.md` and
 =======================  =========================  ==================================
 engine                   ASE algorithm              ASE-style class
 =======================  =========================  ==================================
+``FIRE``                 ``ase.optimize.FIRE``      ``nvalchemi_ase.optimize.FIRE``
 ``BFGS``                 ``ase.optimize.BFGS``      ``nvalchemi_ase.optimize.BFGS``
 ``MDMin``                ``ase.optimize.MDMin``     ``nvalchemi_ase.optimize.MDMin``
 ``NVTBussi``             ``ase.md.bussi.Bussi``     ``nvalchemi_ase.md.Bussi``
@@ -20,7 +21,7 @@ engine                   ASE algorithm              ASE-style class
 
 Units follow nvalchemi: integrator time steps and coupling times in fs,
 temperatures in K (``KB_EV``), velocities in Å per ASE time unit; the
-optimizers' ``dt`` (MDMin) is in the internal (= ASE) time unit, as for
+optimizers' ``dt`` (FIRE, MDMin) is in the internal (= ASE) time unit, as for
 nvalchemi's FIRE. Importing this package imports nvalchemi; the ASE-style
 classes import it lazily through :func:`nvalchemi_ase._quiet.import_quietly`.
 """
@@ -29,11 +30,13 @@ from nvalchemi_ase.engines.andersen import NVTAndersen
 from nvalchemi_ase.engines.berendsen import NVTBerendsen
 from nvalchemi_ase.engines.bfgs import BFGS
 from nvalchemi_ase.engines.bussi import NVTBussi
+from nvalchemi_ase.engines.fire import FIRE
 from nvalchemi_ase.engines.langevin_hoover import LangevinHooverBAOAB
 from nvalchemi_ase.engines.mdmin import MDMin
 
 __all__ = [
     "BFGS",
+    "FIRE",
     "LangevinHooverBAOAB",
     "MDMin",
     "NVTAndersen",

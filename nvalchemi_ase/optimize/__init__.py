@@ -3,16 +3,16 @@
 =============  ==================================  =================================
 class          nvalchemi engine                    with a cell filter
 =============  ==================================  =================================
-``FIRE``       ``FIRE``                            refused (0.3's FIREVariableCell
-                                                   never moves the cell)
+``FIRE``       ``nvalchemi_ase.engines.FIRE``      refused (use FIRE2 or LBFGS)
 ``FIRE2``      ``FIRE2``                           ``FIRE2VariableCell``
 ``LBFGS``      ``LBFGS``                           ``LBFGSVariableCell``
 ``BFGS``       ``nvalchemi_ase.engines.BFGS``      refused (use LBFGS or FIRE2)
 ``MDMin``      ``nvalchemi_ase.engines.MDMin``     refused (use LBFGS or FIRE2)
 =============  ==================================  =================================
 
-``BFGS`` and ``MDMin`` run batched engines of this package (nvalchemi 0.3 has
-none): each structure follows ASE's path for it step for step.
+``FIRE``, ``BFGS`` and ``MDMin`` run batched engines of this package (ASE's
+algorithms; nvalchemi 0.3 has none, or a different FIRE): each structure
+follows ASE's path for it step for step.
 """
 
 from nvalchemi_ase.optimize.bfgs import BFGS

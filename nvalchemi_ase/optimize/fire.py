@@ -1,9 +1,11 @@
-"""``FIRE`` and ``FIRE2`` with ASE's arguments, on nvalchemi's FIRE engines."""
+"""``FIRE`` (ASE's algorithm, batched here) and ``FIRE2`` (nvalchemi's engines)."""
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
@@ -17,35 +19,43 @@ _FACTOR = "a dimensionless factor"
 
 
 class FIRE(BatchedOptimizer):
-    """FIRE for many structures at once, with ``ase.optimize.FIRE``'s arguments.
+    """FIRE for many structures at once: ``ase.optimize.FIRE``, step for step.
 
-    Runs nvalchemi's ``FIRE`` engine, which integrates with the atomic masses
-    (ASE's FIRE uses unit masses), so paths differ from ASE's while minima are
-    the same. Times (``dt``, ``dtmax``) are in ASE time units, as in ASE.
+    Runs :class:`nvalchemi_ase.engines.fire.FIRE`, ASE's algorithm with every
+    sum taken per structure, so each structure's path is the one ASE's FIRE
+    takes on it alone (to rounding): unit masses, the step of a structure
+    capped at ``maxstep`` as a whole, ASE's restarts. Times (``dt``,
+    ``dtmax``) are in ASE's units, as in ASE.
 
     Parameters
     ----------
     images : ase.Atoms or sequence of ase.Atoms
-        Structures to relax (fixed cell; nvalchemi 0.3's variable-cell FIRE does
-        not move the cell, so cell filters are refused: use FIRE2 or LBFGS).
+        Structures to relax (fixed cell; for a cell filter use FIRE2 or LBFGS).
     restart, logfile, trajectory, append_trajectory
         See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
     dt : float
-        Initial time step, ASE time units.
+        Initial time step.
     maxstep : float, optional
-        Largest displacement of an atom per step, Å (default 0.2).
+        Largest step of a structure (norm over its atoms), Å (default 0.2).
     dtmax : float
-        Largest time step, ASE time units.
+        Largest time step.
     Nmin : int
         Steps of downhill motion before the time step grows.
     finc, fdec : float
         Time-step growth and shrink factors.
     astart, fa : float
-        Initial mixing parameter and its decay factor.
+        Mixing parameter after a restart, and its decay factor.
     a : float
-        Must equal ``astart`` (nvalchemi starts from ``astart``).
+        Mixing parameter of the first steps.
     downhill_check : bool
-        Reset when the energy goes up (nvalchemi's ``uphill`` detection).
+        Go back to the previous positions when a structure's energy rose.
+        Its previous positions live on the engine: a runner's refill or a
+        restart continues without them (the next uphill step is not undone).
+    position_reset_callback : callable, optional
+        ``callback(atoms, r_last, e, e_last)`` for every structure sent back
+        (ASE's ``(optimizable, r, e, e_last)``; here the structure's ``Atoms``,
+        its previous positions (N, 3) Å and the energies, eV). Costs a host
+        read per step.
     **kwargs
         ``loginterval``, ``model``, ``device``, ``dtype``, ``neighbor_skin``.
     """
@@ -66,6 +76,7 @@ class FIRE(BatchedOptimizer):
         fa: float = 0.99,
         a: float = 0.1,
         downhill_check: bool = False,
+        position_reset_callback: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self.dt = real_argument("dt", dt, _TIME)
@@ -79,45 +90,68 @@ class FIRE(BatchedOptimizer):
         self.astart = real_argument("astart", astart, _FACTOR)
         self.fa = real_argument("fa", fa, _FACTOR)
         self.a = real_argument("a", a, _FACTOR)
-        if self.a != self.astart:
-            raise ValueError(
-                f"a={a} differs from astart={astart}; nvalchemi's FIRE starts its "
-                "mixing parameter at astart"
-            )
         self.downhill_check = bool(downhill_check)
+        if position_reset_callback is not None and not callable(
+            position_reset_callback
+        ):
+            raise TypeError(
+                "position_reset_callback must be callable as "
+                "callback(atoms, r_last, e, e_last)"
+            )
+        self.position_reset_callback = position_reset_callback
         super().__init__(images, restart, logfile, trajectory, **kwargs)
 
     def _check_inputs(self) -> None:
         super()._check_inputs()
         if self.cell_filter is not None:
             raise ValueError(
-                "FIRE with a cell filter is not supported: nvalchemi 0.3's "
-                "FIREVariableCell never moves the cell. Use FIRE2 or LBFGS with "
-                "FrechetCellFilter"
+                "FIRE with a cell filter is not supported yet; use FIRE2 or LBFGS "
+                "with FrechetCellFilter"
             )
         for name in ("dt", "maxstep", "dtmax"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def build_engine(self, hooks: list[Any]) -> Any:
-        """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
-        dynamics = import_quietly("nvalchemi.dynamics")
-        with warnings.catch_warnings():
-            # nvalchemi 0.3 marks FIRE deprecated in favour of FIRE2; ASE users
-            # asked for FIRE, and it is the engine that implements it.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return dynamics.FIRE(
-                self.model,
-                dt=self.dt,
-                dt_max=self.dtmax,
-                maxstep=self.maxstep,
-                n_min=self.Nmin,
-                f_dec=self.fdec,
-                f_inc=self.finc,
-                alpha_start=self.astart,
-                f_alpha=self.fa,
-                uphill=self.downhill_check,
-                hooks=hooks,
+        """Build the engine (engine protocol, see ``BatchedDynamics``)."""
+        engines = import_quietly("nvalchemi_ase.engines.fire")
+        engine = engines.FIRE(
+            self.model,
+            dt=self.dt,
+            maxstep=self.maxstep,
+            dtmax=self.dtmax,
+            n_min=self.Nmin,
+            finc=self.finc,
+            fdec=self.fdec,
+            astart=self.astart,
+            fa=self.fa,
+            a=self.a,
+            downhill_check=self.downhill_check,
+            hooks=hooks,
+        )
+        if self.position_reset_callback is not None:
+            engine.reset_callback = self._call_position_reset_callback
+        return engine
+
+    def _call_position_reset_callback(
+        self, uphill: Any, previous: Any, energy: Any, last_energy: Any
+    ) -> None:
+        """Call the user's callback once per structure sent back (host side)."""
+        callback = self.position_reset_callback
+        assert callback is not None  # noqa: S101 - set only with a callback
+        flags = uphill.cpu().numpy()
+        positions = previous.detach().cpu().numpy()
+        energies = energy.detach().cpu().numpy()
+        last = last_energy.detach().cpu().numpy()
+        counts = [len(atoms) for atoms in self.images]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for index in np.flatnonzero(flags):
+            rows = slice(starts[index], starts[index + 1])
+            callback(
+                self.images[index],
+                positions[rows].copy(),
+                float(energies[index]),
+                float(last[index]),
             )
 
 
