@@ -579,8 +579,14 @@ class BatchedDynamics(AseBaseDynamics):
         if self._reads_are_free:
             self._absorb_failures()
 
-    def _advance(self) -> None:
-        """One engine step; ``nsteps`` counts it."""
+    def step(self) -> None:
+        """Advance every structure by one step (ASE's ``step``; ``nsteps`` unchanged).
+
+        ``irun``/``run`` call it once per step, then count the step, as ASE's
+        loops do, so a subclass may override it (calling ``super().step()``).
+        The batch holds the new state on the device; the ``Atoms`` are written
+        when an observer or the end of the run needs them.
+        """
         self._hook_nsteps = self.nsteps + 1
         try:
             with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
@@ -591,6 +597,10 @@ class BatchedDynamics(AseBaseDynamics):
                 "the batch is images[i]; structures that stayed finite keep their "
                 "latest state, the others their last written one)"
             ) from error
+
+    def _advance(self) -> None:
+        """One step (:meth:`step`); ``nsteps`` counts it."""
+        self.step()
         self.nsteps += 1
         if self._reads_are_free:
             self._absorb_failures()

@@ -151,17 +151,37 @@ class BatchedMolecularDynamics(BatchedDynamics):
         self.max_steps = self.nsteps + steps
         with self._running():
             self._prime()
-            if self.nsteps == 0:
+            if self.nsteps == 0:  # ASE: _refresh_properties, log, call_observers
+                self._refresh_properties()
+                self.log()
                 self._sync_if(sync_every_step or self._observers_due(0))
                 self.call_observers()
             else:
                 self._sync_if(sync_every_step)
             yield self.nsteps == self.max_steps
             while self.nsteps < self.max_steps:
-                self._advance()
+                self._advance()  # step(), then nsteps += 1
+                self._refresh_properties()
+                self.log()
                 self._sync_if(sync_every_step or self._observers_due(self.nsteps))
                 self.call_observers()
                 yield self.nsteps == self.max_steps
+
+    def _refresh_properties(self) -> None:
+        """ASE's hook before ``log`` and the observers (here: nothing to do).
+
+        ASE's version calls ``atoms.get_forces()`` so that loggers and observers
+        read cached results; here every step evaluates the model on the device
+        and the ``Atoms`` receive the results when an observer is due. Kept so
+        that subclasses overriding it are called where ASE calls it.
+        """
+
+    def log(self) -> None:
+        """ASE's per-step logging hook (a no-op; logfiles are observers, as in ASE).
+
+        Called after every step, before the observers, as ASE's ``irun`` does;
+        subclasses may override it.
+        """
 
     # -- logging ----------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,9 +226,88 @@ class BatchedOptimizer(BatchedDynamics):
         """``optimizer + md``: :meth:`then` with its defaults."""
         return self.then(md)
 
-    def converged(self, forces: Any = None) -> bool:
-        """Whether every structure has converged (ASE's ``converged``)."""
-        return bool(self._converged_host.all())
+    @property
+    def optimizable(self) -> Any:
+        """ASE's ``Optimizable`` of the structure, or a list of one per structure.
+
+        For one ``Atoms`` (or cell filter) given alone, exactly what ASE's
+        optimizer holds (``atoms.__ase_optimizable__()``); for many, one each.
+        It reads and writes the ``Atoms``: call :meth:`sync_atoms` first after
+        steps taken with ``run``.
+        """
+        targets = [self.atoms] if not isinstance(self.atoms, list) else self.atoms
+        optimizables = [target.__ase_optimizable__() for target in targets]
+        return optimizables if isinstance(self.atoms, list) else optimizables[0]
+
+    def converged(self, forces: Any = None, *, gradient: Any = None) -> bool:
+        """Whether every structure has converged (ASE's ``converged``).
+
+        Parameters
+        ----------
+        forces : array_like or sequence of them, optional
+            Forces to judge instead of the current ones: (N, 3) eV/Å for one
+            structure, or one array per structure (rows of a cell filter's
+            optimizable included, as ASE's).
+        gradient : array_like or sequence of them, optional
+            The same as ``-forces``, flattened (ASE's deprecated keyword; a
+            ``FutureWarning``, as ASE 3.29 gives).
+
+        Returns
+        -------
+        bool
+            With neither argument, whether every structure converged at the
+            last step; otherwise whether every given force set is below
+            ``fmax`` (ASE's criterion).
+        """
+        if gradient is not None:
+            warnings.warn(
+                "The gradient keyword will be removed in 3.29.0",
+                FutureWarning,
+                stacklevel=2,
+            )
+        elif forces is not None:
+            gradient = [
+                -np.asarray(f, dtype=np.float64).ravel() for f in _each(forces, self)
+            ]
+        else:
+            return bool(self._converged_host.all())
+        return self.gradient_converged(gradient)
+
+    def gradient_converged(self, gradient: Any) -> bool:
+        """ASE's ``gradient_converged``: every largest force below ``fmax``.
+
+        Parameters
+        ----------
+        gradient : array_like or sequence of them
+            Flat gradient(s), eV/Å: one for one structure, or one per structure.
+
+        Returns
+        -------
+        bool
+        """
+        if self.fmax is None:
+            raise ValueError("fmax is not set yet: call run(fmax=...) or irun first")
+        norms = [
+            np.linalg.norm(np.asarray(g, dtype=np.float64).reshape(-1, 3), axis=1).max()
+            for g in _each(gradient, self)
+        ]
+        return bool(all(norm < self.fmax for norm in norms))
+
+    def step(self, f: Any = None) -> None:
+        """One step of every structure (ASE's ``step``; ``nsteps`` unchanged).
+
+        Parameters
+        ----------
+        f : None
+            Must be None: the forces of a batched step come from the model on
+            the device (ASE's optimizers accept given forces here).
+        """
+        if f is not None:
+            raise ValueError(
+                "step(f) with given forces is not supported: batched optimizers "
+                "evaluate the model themselves; call step() without forces"
+            )
+        super().step()
 
     def irun(
         self, fmax: float = 0.05, steps: int = DEFAULT_MAX_STEPS
@@ -275,8 +355,8 @@ class BatchedOptimizer(BatchedDynamics):
     def _irun(self, fmax: float, steps: int, sync_every_step: bool) -> Iterator[bool]:
         fmax = real_argument("fmax", fmax, "eV/Å")
         steps = integer_argument("steps", steps)
-        if not fmax > 0:
-            raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
+        if not fmax >= 0:  # ASE accepts 0: nothing converges, `steps` are run
+            raise ValueError(f"fmax must be >= 0 (eV/Å), got {fmax}")
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         self.fmax = float(fmax)
@@ -494,3 +574,15 @@ def _write_ase_line(
         log.write("%s  %4s %8s %15s  %12s\n" % header)
     row = (name, nsteps, clock[3], clock[4], clock[5], energy, fmax)
     log.write("%s:  %3d %02d:%02d:%02d %15.6f %15.6f\n" % row)
+
+
+def _each(values: Any, optimizer: BatchedOptimizer) -> list[Any]:
+    """One array per structure: ``values`` itself for a single structure."""
+    if not isinstance(optimizer.atoms, list):
+        return [values]
+    if len(values) != len(optimizer.images):
+        raise ValueError(
+            f"give one force (or gradient) array per structure: "
+            f"{len(optimizer.images)} structures, {len(values)} arrays"
+        )
+    return list(values)
