@@ -201,8 +201,8 @@ def test_bad_optimizer_arguments(lj_calc64):
     before = snapshot(atoms)
     with pytest.raises(ValueError, match="maxstep must be positive"):
         LBFGS(atoms, maxstep=-0.1)
-    with pytest.raises(ValueError, match="fmax must be positive"):
-        FIRE(atoms, logfile=None).run(fmax=0.0)
+    with pytest.raises(ValueError, match="fmax must be >= 0"):
+        FIRE(atoms, logfile=None).run(fmax=-0.01)
     assert_same_snapshot(before, atoms)
 
 
