@@ -51,7 +51,12 @@ def run(args: argparse.Namespace) -> int:
 
     from nvalchemi_ase.cli._table import RESULT_HEADER, format_table, result_row
     from nvalchemi_ase.cli.batching import labelled_atoms, scan_inputs
-    from nvalchemi_ase.cli.common import build_calculator, expand_inputs, say
+    from nvalchemi_ase.cli.common import (
+        build_calculator,
+        expand_inputs,
+        result_properties,
+        say,
+    )
     from nvalchemi_ase.cli.outputs import OutputFiles
     from nvalchemi_ase.cli.runs import RunState, resumed
     from nvalchemi_ase.runners import isingle_points, sort_output
@@ -63,9 +68,6 @@ def run(args: argparse.Namespace) -> int:
     failed = outputs.claim(output.with_name(f"{output.stem}.failed.extxyz"))
     calc = build_calculator(args)  # configuration errors next, before reading
     scanned = scan_inputs(inputs, calc, args, skin=0.0)  # checked, none kept
-    properties = ["energy", "forces"] + (
-        ["stress"] if "stress" in calc.implemented_properties else []
-    )
     state = RunState(outputs, scanned, done=resumed(args, staged, failed, scanned))
     args.run_state = state
     staged.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in isingle_points(
             labelled_atoms(inputs),
             calc,
-            properties=properties,
+            properties=result_properties(calc),
             max_atoms=args.max_atoms,
             max_structures=scanned.budget.max_structures,
             output=staged,

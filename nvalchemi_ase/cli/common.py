@@ -29,6 +29,7 @@ __all__ = [
     "positive_int",
     "read_paths",
     "read_sources",
+    "result_properties",
     "show_progress",
 ]
 
@@ -353,6 +354,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             suffix = pattern[len(name) :]
             paths.append(match + suffix)
     return paths
+
+
+def result_properties(calc: Any) -> list[str]:
+    """Energy, forces and, when the model computes it, stress: what outputs hold."""
+    return [
+        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
+    ]
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:

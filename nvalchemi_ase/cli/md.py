@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         CommandError,
         build_calculator,
         expand_inputs,
+        result_properties,
         say,
         show_progress,
     )
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             steps=args.steps,
             max_atoms=args.max_atoms,
             max_structures=scanned.budget.max_structures,
-            properties=_properties(calc),
+            properties=result_properties(calc),
             output=files.final,
             failures=files.failed,
             resume=args.resume,
@@ -214,12 +215,6 @@ def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:
     for index in range(count):
         outputs.claim(folder / f"md_{index:05d}.traj")
     return str(partial_name(folder / "md_{i:05d}.traj"))
-
-
-def _properties(calc: Any) -> list[str]:
-    return [
-        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
-    ]
 
 
 def _thermalized(

@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         CommandError,
         build_calculator,
         expand_inputs,
+        result_properties,
         say,
         show_progress,
     )
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             cell_filter=FrechetCellFilter if args.cell else None,
             max_atoms=args.max_atoms,
             max_structures=scanned.budget.max_structures,
-            properties=_properties(calc),
+            properties=result_properties(calc),
             output=files.staged,
             failures=files.failed,
             resume=args.resume,
@@ -193,12 +194,6 @@ class _Files:
         if self.plot is not None and series:
             _plot(series, labels, self.plot, optimizer)
         return write_failure_table(self.failed, self.table)
-
-
-def _properties(calc: Any) -> list[str]:
-    return [
-        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
-    ]
 
 
 def _claim_trajectories(
