@@ -29,3 +29,16 @@ def assert_same_snapshot(before: dict, atoms: Atoms) -> None:
     assert before["info"] == after["info"]
     assert before["constraints"] == after["constraints"]
     assert before["calc"] is after["calc"]
+
+
+def frames_by_index(path) -> dict[int, str]:
+    """The text of each frame of a runner's extxyz output, by ``info["index"]``."""
+    frames = {}
+    lines = path.read_text().splitlines(keepends=True)
+    start = 0
+    while start < len(lines):
+        count = int(lines[start])
+        index = int(lines[start + 1].split("index=")[1].split()[0])
+        frames[index] = "".join(lines[start : start + count + 2])
+        start += count + 2
+    return frames

@@ -209,35 +209,38 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_partial_results_stay_on_disk_after_a_failure(tmp_path, capsys, monkeypatch):
     from nvalchemi_ase.optimize import FIRE
 
-    write(tmp_path / "in.extxyz", mixed_argon(6))
-    runs = []
-    original = FIRE.run
+    write(tmp_path / "in.extxyz", mixed_argon(12))
+    steps = []
+    original = FIRE._advance
 
-    def failing_second_batch(self, *args, **kwargs):
-        runs.append(1)
-        if len(runs) == 2:
-            raise RuntimeError("simulated failure in the second batch")
-        return original(self, *args, **kwargs)
+    def failing_later(self):
+        steps.append(1)
+        if len(steps) == 12:
+            raise RuntimeError("simulated failure")
+        return original(self)
 
-    monkeypatch.setattr(FIRE, "run", failing_second_batch)
+    monkeypatch.setattr(FIRE, "_advance", failing_later)
     output = tmp_path / "relaxed.extxyz"
-    code, err = _error_of(
-        capsys,
-        [
-            "relax",
-            str(tmp_path / "in.extxyz"),
-            "-o",
-            str(output),
-            "--batch-size",
-            "3",
-            *LJ,
-        ],
-    )
+    argv = ["relax", str(tmp_path / "in.extxyz"), "-o", str(output), "--fmax", "0.01"]
+    code, err = _error_of(capsys, [*argv, "--batch-size", "3", *LJ])
     assert code == 2
     assert "simulated failure" in err
     # results stay under the staged name until the run completes
-    assert len(read(tmp_path / "relaxed.partial.extxyz", ":")) == 3
+    kept = read(tmp_path / "relaxed.partial.extxyz", ":")
+    assert 0 < len(kept) < 12
     assert not output.exists()
+
+    monkeypatch.setattr(FIRE, "_advance", original)
+    code, err = _error_of(capsys, [*argv, "--batch-size", "3", "--resume", *LJ])
+    assert code == 0, err
+    relaxed = read(output, ":")
+    assert [int(a.info["index"]) for a in relaxed] == list(range(12))
+    assert all(a.info["converged"] for a in relaxed)
+    by_index = {int(a.info["index"]): a for a in relaxed}
+    for atoms in kept:  # kept, not computed again
+        again = by_index[int(atoms.info["index"])]
+        assert np.array_equal(again.positions, atoms.positions)
+    assert not (tmp_path / "relaxed.partial.extxyz").exists()
 
 
 @pytest.mark.slow  # two fresh interpreters

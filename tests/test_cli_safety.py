@@ -136,16 +136,16 @@ def test_an_error_inside_a_batch_names_input_frames(tmp_path, capsys, monkeypatc
     from nvalchemi_ase.optimize import FIRE
 
     write(tmp_path / "in.extxyz", [argon(1, k) for k in range(4)])
-    calls = []
+    original = FIRE._advance
+    steps = []
 
-    def failing(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("FIRE, step 3: something broke in images[1]")
-        return original(self, *args, **kwargs)
+    def failing(self):
+        steps.append(1)
+        if len(steps) == 2:
+            raise RuntimeError("FIRE, step 2: something broke in images[1]")
+        return original(self)
 
-    original = FIRE.run
-    monkeypatch.setattr(FIRE, "run", failing)
+    monkeypatch.setattr(FIRE, "_advance", failing)
     output = tmp_path / "relaxed.extxyz"
     code, _, err = _run(
         capsys,
@@ -154,6 +154,8 @@ def test_an_error_inside_a_batch_names_input_frames(tmp_path, capsys, monkeypatc
             str(tmp_path / "in.extxyz"),
             "-o",
             str(output),
+            "--fmax",
+            "1e-4",
             "--batch-size",
             "2",
             *LJ,
@@ -161,13 +163,13 @@ def test_an_error_inside_a_batch_names_input_frames(tmp_path, capsys, monkeypatc
     )
     assert code == 2
     err = _one_line(err)
-    assert "batch 2/2 (" in err
-    assert "in.extxyz@2 to " in err
+    assert "in a batch of 2 structures, 8 atoms (" in err
+    assert "in.extxyz@0, " in err
     assert "something broke in " in err
-    assert "in.extxyz@3" in err
-    assert "images[1]" not in err
-    assert "relaxed.partial.extxyz" in err
-    assert len(read(tmp_path / "relaxed.partial.extxyz", ":")) == 2
+    assert "something broke in images[1]" not in err
+    assert err.count("in.extxyz@1") == 2  # in the batch, and as images[1]
+    assert "relaxed.partial.extxyz" not in err  # nothing finished yet
+    assert "no results were written" in err
     assert not output.exists()
 
 
@@ -257,38 +259,35 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, capsys, monkeypatch):
     from nvalchemi_ase.optimize import FIRE
 
     write(tmp_path / "in.extxyz", [argon(1, k) for k in range(4)])
-    original = FIRE.run
-    calls = []
+    original = FIRE._advance
+    steps = []
 
-    def interrupted_second(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            original(self, fmax=1e-9, steps=3)
+    def interrupted_later(self):
+        steps.append(1)
+        if len(steps) == 3:
             raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+        return original(self)
 
-    monkeypatch.setattr(FIRE, "run", interrupted_second)
+    monkeypatch.setattr(FIRE, "_advance", interrupted_later)
     output = tmp_path / "relaxed.extxyz"
-    code, _, err = _run(
-        capsys,
-        [
-            "relax",
-            str(tmp_path / "in.extxyz"),
-            "-o",
-            str(output),
-            "--batch-size",
-            "2",
-            *LJ,
-        ],
-    )
+    argv = ["relax", str(tmp_path / "in.extxyz"), "-o", str(output), *LJ]
+    code, _, err = _run(capsys, [*argv, "--batch-size", "1"])
     assert code == 130
     err = _one_line(err)
-    assert "interrupted in batch 2/2 (" in err
-    assert "at step 3" in err
-    assert "2 structures finished" in err
+    finished = len(read(tmp_path / "relaxed.partial.extxyz", ":"))
+    assert 0 < finished < 4
+    assert f"interrupted; {finished} of 4 structures finished" in err
     assert "relaxed.partial.extxyz" in err
-    assert len(read(tmp_path / "relaxed.partial.extxyz", ":")) == 2
+    assert "--resume" in err
     assert not output.exists()
+
+    monkeypatch.setattr(FIRE, "_advance", original)
+    code, _, err = _run(capsys, [*argv, "--batch-size", "1"])  # no silent restart
+    assert code == 2
+    assert "--resume" in _one_line(err)
+    code, _, err = _run(capsys, [*argv, "--batch-size", "1", "--resume"])
+    assert code == 0, err
+    assert [int(a.info["index"]) for a in read(output, ":")] == [0, 1, 2, 3]
 
 
 def test_ctrl_c_before_any_batch_is_one_line_too(tmp_path, capsys, monkeypatch):
@@ -309,36 +308,40 @@ def test_ctrl_c_before_any_batch_is_one_line_too(tmp_path, capsys, monkeypatch):
 # -- memory -------------------------------------------------------------------------
 
 
-def _plan(calc, sources, **limits):
-    from nvalchemi_ase.cli.batching import plan_batches
+def test_batches_from_memory_stay_below_the_available_memory(
+    tmp_path, capsys, monkeypatch, lj_calc64
+):
+    from nvalchemi_ase.cli.batching import budget_for
 
-    args = argparse.Namespace(batch_size=None, max_atoms=None, **limits)
-    return plan_batches(args, calc, sources)
-
-
-def _sources(images):
-    from nvalchemi_ase.cli.common import Source
-
-    return [Source("in.extxyz", k, atoms) for k, atoms in enumerate(images)]
-
-
-def test_batches_from_memory_stay_below_the_available_memory(monkeypatch, lj_calc64):
-    sources = _sources([argon(r, k) for k, r in enumerate([1, 2, 3, 2, 1, 3, 2])])
-    plan = _plan(lj_calc64, sources)
+    args = argparse.Namespace(batch_size=None, max_atoms=None)
+    budget = budget_for(args, lj_calc64)
     available = memory.available_memory("cpu")
-    assert plan.available is not None
-    assert plan.budget is not None
-    assert 0 < plan.budget < available
-    assert all(c.estimated_bytes <= plan.budget for c in plan.chunks)
+    assert budget.max_bytes is not None
+    assert 0 < budget.max_bytes < available
+    assert budget.max_structures == 512
 
+    images = [argon(r, k) for k, r in enumerate([1, 2, 3, 2, 1, 3, 2])]
+    write(tmp_path / "in.extxyz", images)
     estimate = memory.memory_estimate(lj_calc64.model, torch.float64, "cpu")
     small = 2.5 * estimate.bytes_for(108, 0)  # budget: one 108-atom structure
     monkeypatch.setattr(memory, "available_memory", lambda device: int(small))
-    plan = _plan(lj_calc64, sources)
-    assert [len(c.items) for c in plan.chunks] == [2, 1, 2, 1, 1]
-    assert all(c.estimated_bytes <= 0.5 * small for c in plan.chunks)
-    order = [index for c in plan.chunks for index, _ in c.items]
-    assert order == list(range(len(sources)))
+    batches = []
+    original = NVAlchemiCalculator.calculate_batch
+
+    def recording(self, images, *args, **kwargs):
+        batches.append([len(atoms) for atoms in images])
+        return original(self, images, *args, **kwargs)
+
+    monkeypatch.setattr(NVAlchemiCalculator, "calculate_batch", recording)
+    output = tmp_path / "calc.extxyz"
+    code, _, err = _run(
+        capsys, ["calc", str(tmp_path / "in.extxyz"), "-o", str(output), *LJ]
+    )
+    assert code == 0, err
+    assert batches == [[4, 32], [108], [32, 4], [108], [32]]
+    assert all(estimate.bytes_for(sum(b), 0) <= 0.5 * small for b in batches)
+    order = [int(a.info["index"]) for a in read(output, ":")]
+    assert order == list(range(len(images)))
 
 
 def test_a_structure_too_large_for_memory_is_refused_before_any_model_call(
@@ -398,9 +401,9 @@ def test_out_of_memory_names_the_batch_and_suggests_max_atoms(
     )
     assert code == 2
     err = _one_line(err)
-    assert "out of memory on cpu in batch 1/1 (" in err
-    assert "in.extxyz@0 to " in err
-    assert "in.extxyz@3, 4 structures, 72 atoms" in err
+    assert "out of memory on cpu in a batch of 4 structures, 72 atoms (" in err
+    assert "in.extxyz@0, " in err
+    assert "in.extxyz@2 and 1 more)" in err
     assert "rerun with --max-atoms 36" in err
 
 

@@ -162,6 +162,36 @@ def test_a_structure_stops_getting_frames_once_converged(tmp_path, lj_calc64):
     assert len(read(tmp_path / "t1.traj", ":")) == opt.nsteps + 1
 
 
+def test_appending_writes_the_initial_frame_only_into_empty_files(tmp_path, lj_calc64):
+    # ASE's optimizer writes frame 0 only into an empty trajectory (no
+    # duplicate when a run continues one); batched, into each empty file.
+    old, new = (rattled_bulk(repeat=2, seed=k, stdev=0.1) for k in (1, 2))
+    counts = {}
+    for name, atoms in (("old", old), ("new", new)):
+        solo = atoms.copy()
+        solo.calc = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype="float64")
+        for prefix in ("ase", "ours"):
+            if name == "old":  # an earlier run's last frame
+                with Trajectory(tmp_path / f"{prefix}_old.traj", "w") as writer:
+                    writer.write(solo)
+        path = tmp_path / f"ase_{name}.traj"
+        AseFIRE(solo, logfile=None, trajectory=str(path), append_trajectory=True).run(
+            fmax=1e-6, steps=4
+        )
+        counts[name] = len(read(path, ":"))
+    for atoms in (old, new):
+        atoms.calc = lj_calc64
+    FIRE(
+        [old, new],
+        logfile=None,
+        trajectory=[tmp_path / "ours_old.traj", tmp_path / "ours_new.traj"],
+        append_trajectory=True,
+    ).run(fmax=1e-6, steps=4)
+    assert counts == {"old": 1 + 4, "new": 1 + 4}
+    for name in ("old", "new"):
+        assert len(read(tmp_path / f"ours_{name}.traj", ":")) == counts[name]
+
+
 def test_attach_at_a_stage_gates_on_ases_step_count(lj_calc64):
     from nvalchemi.dynamics import DynamicsStage
 

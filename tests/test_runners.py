@@ -14,17 +14,23 @@ import pytest
 from ase import Atoms
 from ase.build import bulk, fcc111
 from ase.constraints import FixBondLength
-from ase.io import iread, write
+from ase.io import iread, read, write
 
 from nvalchemi_ase import NVAlchemiCalculator, optimize
 from nvalchemi_ase.runners import (
     Budget,
     failed_path,
+    finished_indices,
+    imd,
     irelax,
+    isingle_points,
+    md,
     read_results,
     relax,
     single_points,
+    sort_output,
 )
+from tests.helpers import frames_by_index
 
 # Same engine, same structure, same float64 model: round-off only.
 PATH_ATOL = 1e-8
@@ -421,3 +427,306 @@ def test_resume_drops_a_frame_cut_off_mid_write_and_refuses_silent_overwrite(
     assert [int(a.info["index"]) for a in results] == list(range(6))
     assert sorted(int(a.info["index"]) for a in read_results(output)) == list(range(6))
     assert len(first) == 3
+
+
+# -- what the command line needs: trajectories, cells, stress, series, limits ---------
+
+
+def test_trajectories_hold_the_frames_each_structure_writes_alone(calc, tmp_path):
+    images = mixed(12, seed=10, largest=30)
+    results = relax(
+        images,
+        calc,
+        optimizer="MDMin",
+        fmax=FMAX,
+        max_atoms=50,  # refills: structures join a batch whose others go on
+        trajectory=str(tmp_path / "run" / "{i:02d}.traj"),
+    )
+    for index, atoms in enumerate(images):
+        copy = atoms.copy()
+        copy.calc = calc
+        alone = tmp_path / f"alone_{index}.traj"
+        optimize.MDMin(copy, logfile=None, trajectory=str(alone)).run(fmax=FMAX)
+        ours = read(tmp_path / "run" / f"{index:02d}.traj", ":")
+        theirs = read(alone, ":")
+        assert len(ours) == len(theirs) == results[index].info["steps"] + 1
+        for mine, reference in zip(ours, theirs, strict=True):
+            np.testing.assert_allclose(
+                mine.positions, reference.positions, atol=PATH_ATOL, rtol=0
+            )
+            assert mine.get_potential_energy() == pytest.approx(
+                reference.get_potential_energy(), abs=1e-10
+            )
+
+
+def _strained_cells(count: int) -> list[Atoms]:
+    rng = np.random.default_rng(0)
+    images = []
+    for k in range(count):
+        atoms = bulk("Ar", "fcc", a=A_AR * (1 + 0.03 * rng.uniform(-1, 1)))
+        atoms = atoms * (2, 1, 1 + k % 2)
+        atoms.rattle(0.05, seed=k)
+        images.append(atoms)
+    return images
+
+
+@pytest.mark.parametrize("optimizer", ["FIRE2", "LBFGS"])
+def test_cell_filter_relaxes_every_cell_as_alone(calc, optimizer):
+    from ase.filters import FrechetCellFilter
+
+    # In-flight refills would move a variable-cell survivor by ~1e-5 Å (its
+    # cell degrees of freedom are relative to the cell it started from), so
+    # with a cell filter the working batch is refilled only once all finished.
+    images = _strained_cells(8)
+    results = relax(
+        images,
+        calc,
+        optimizer=optimizer,
+        cell_filter=FrechetCellFilter,
+        fmax=0.01,
+        max_atoms=12,
+        properties=("energy", "forces", "stress"),
+    )
+    fresh = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    for atoms, result in zip(images, results, strict=True):
+        copy = atoms.copy()
+        copy.calc = calc
+        opt = getattr(optimize, optimizer)(FrechetCellFilter(copy), logfile=None)
+        opt.run(fmax=0.01, steps=1000)
+        assert result.info["steps"] == int(opt.converged_at_step[0])
+        np.testing.assert_allclose(result.positions, copy.positions, atol=1e-10)
+        np.testing.assert_allclose(result.cell.array, copy.cell.array, atol=1e-10)
+        check = result.copy()
+        check.calc = fresh
+        np.testing.assert_allclose(result.get_stress(), check.get_stress(), atol=1e-12)
+
+
+def test_stress_is_kept_for_cells_of_rank_three_only(calc):
+    images = mixed(8, seed=11, largest=30)
+    results = relax(
+        images,
+        calc,
+        optimizer="MDMin",
+        fmax=FMAX,
+        max_atoms=50,
+        properties=("energy", "forces", "stress"),
+    )
+    fresh = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    for result in results:
+        if result.cell.rank < 3:
+            assert "stress" not in result.calc.results
+            continue
+        check = result.copy()
+        check.calc = fresh
+        np.testing.assert_allclose(result.get_stress(), check.get_stress(), atol=1e-12)
+    assert any(r.cell.rank < 3 for r in results)
+    assert any(r.cell.rank == 3 for r in results)
+
+
+def test_series_hold_each_structures_own_steps(calc):
+    images = mixed(10, seed=12, largest=30)
+    series = {}
+    results = relax(
+        images, calc, optimizer="MDMin", fmax=FMAX, max_atoms=50, series=series
+    )
+    assert sorted(series) == list(range(10))
+    fresh = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    for index, result in enumerate(results):
+        values = series[index]
+        assert len(values["fmax"]) == len(values["epot_per_atom"])
+        assert len(values["fmax"]) == result.info["steps"] + 1
+        start = images[index].copy()
+        start.calc = fresh
+        initial = np.linalg.norm(start.get_forces(), axis=1).max()
+        assert values["fmax"][0] == pytest.approx(initial, abs=1e-10)
+        final = np.linalg.norm(result.get_forces(), axis=1).max()
+        assert values["fmax"][-1] == pytest.approx(final, abs=1e-10)
+        assert values["epot_per_atom"][-1] * len(result) == pytest.approx(
+            result.get_potential_energy(), abs=1e-10
+        )
+
+
+def test_max_structures_caps_the_working_batch(calc):
+    stream = Counting(mixed(30, seed=13, largest=10))
+    largest = 0
+    for count, _ in enumerate(
+        irelax(
+            stream,
+            calc,
+            optimizer="MDMin",
+            fmax=FMAX,
+            max_atoms=10_000,
+            max_structures=3,
+        ),
+        start=1,
+    ):
+        largest = max(largest, stream.pulled - count)
+    assert largest <= 3 + 1  # one read ahead
+    assert largest >= 2
+
+
+def test_structures_the_model_cannot_run_fail_alone(calc):
+    images = mixed(6, seed=14, largest=20)
+    broken = images[1].copy()
+    broken.positions[0, 0] = np.nan
+    images.insert(2, broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = relax(images, calc, optimizer="MDMin", fmax=FMAX)
+    assert "positions" in results[2].info["failure"]
+    assert "not finite" in results[2].info["failure"]
+    assert all(r.info["converged"] for i, r in enumerate(results) if i != 2)
+
+
+def _raising_after(model, calls: int, error: Exception):
+    original = model.forward
+    seen = {"n": 0}
+
+    def forward(batch, *args, **kwargs):
+        seen["n"] += 1
+        if seen["n"] >= calls:
+            raise error
+        return original(batch, *args, **kwargs)
+
+    model.forward = forward
+    return lambda: model.__dict__.pop("forward", None)
+
+
+def test_an_error_in_the_working_batch_names_its_inputs():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = mixed(10, seed=15, largest=30)
+    sizes = np.cumsum([len(a) for a in images])
+    first_batch = int((sizes <= 50).sum())  # admitted in input order while they fit
+    undo = _raising_after(calc.model, 3, RuntimeError("model broke for graph 1"))
+    try:
+        with pytest.raises(RuntimeError, match="graph 1") as raised:
+            list(irelax(images, calc, optimizer="MDMin", fmax=1e-6, max_atoms=50))
+    finally:
+        undo()
+    assert raised.value.input_indices == tuple(range(first_batch))
+
+    undo = _raising_after(calc.model, 2, RuntimeError("model broke"))
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            list(isingle_points(images, calc, max_atoms=50))
+    finally:
+        undo()
+    second_chunk = int((sizes <= 50 + sizes[first_batch - 1]).sum())
+    assert raised.value.input_indices == tuple(range(first_batch, second_chunk))
+
+
+def test_single_points_resumed_write_the_uninterrupted_file(calc, tmp_path):
+    images = mixed(12, seed=16, largest=30)
+    full = tmp_path / "full.extxyz"
+    single_points(images, calc, max_atoms=60, output=full)
+    part = tmp_path / "part.extxyz"
+    run = isingle_points(images, calc, max_atoms=60, output=part)
+    first = list(itertools.islice(run, 5))  # likely mid-chunk: it runs again whole
+    run.close()
+    assert set(finished_indices(part)) == {index for index, _ in first}
+    results = single_points(images, calc, max_atoms=60, output=part, resume=True)
+    assert [int(a.info["index"]) for a in results] == list(range(12))
+    assert part.read_text() == full.read_text()  # the same chunks, every digit
+
+
+def test_md_resumed_writes_the_uninterrupted_seeded_langevin_run(calc, tmp_path):
+    from ase import units
+
+    images = mixed(9, seed=17, largest=30)
+    settings = {
+        "dynamics": "Langevin",
+        "timestep": 2 * units.fs,
+        "steps": 8,
+        "temperature_K": 60.0,
+        "friction": 0.01 / units.fs,
+        "seed": 3,
+        "max_atoms": 40,
+        "loginterval": 2,
+    }
+    full = tmp_path / "full.extxyz"
+    md(
+        images,
+        calc,
+        output=full,
+        trajectory=str(tmp_path / "full_{i}.traj"),
+        **settings,
+    )
+    part = tmp_path / "part.extxyz"
+    run = imd(
+        images,
+        calc,
+        output=part,
+        trajectory=str(tmp_path / "part_{i}.traj"),
+        **settings,
+    )
+    first = list(itertools.islice(run, 4))
+    run.close()
+    assert len(first) == 4
+    md(
+        images,
+        calc,
+        output=part,
+        resume=True,
+        trajectory=str(tmp_path / "part_{i}.traj"),
+        **settings,
+    )
+    assert part.read_text() == full.read_text()
+    for index in range(len(images)):
+        ours = read(tmp_path / f"part_{index}.traj", ":")
+        reference = read(tmp_path / f"full_{index}.traj", ":")
+        assert len(ours) == len(reference) == 5
+        for mine, theirs in zip(ours, reference, strict=True):
+            assert np.array_equal(mine.positions, theirs.positions)
+            assert np.array_equal(mine.get_momenta(), theirs.get_momenta())
+
+
+def test_md_failure_reports_the_step_it_failed_at(calc):
+    from ase import units
+
+    images = mixed(3, seed=18, largest=20)
+    for atoms in images:
+        atoms.set_momenta(np.zeros((len(atoms), 3)))
+    bad = bulk("Ar", "fcc", a=A_AR) * (2, 1, 1)
+    towards = bad.positions[1] - bad.positions[0]
+    momenta = np.zeros((2, 3))
+    momenta[0] = (
+        bad.get_masses()[0] * (4.0 / units.fs) * towards / np.linalg.norm(towards)
+    )
+    bad.set_momenta(momenta)
+    images.insert(1, bad)
+    results = md(
+        images, calc, dynamics="VelocityVerlet", timestep=1 * units.fs, steps=10
+    )
+    failed = results[1]
+    assert failed.info["failure"] is not None
+    assert 1 <= failed.info["steps"] < 10
+    assert np.isfinite(failed.positions).all()
+    assert [r.info["steps"] for i, r in enumerate(results) if i != 1] == [10, 10, 10]
+
+
+def test_resume_drops_a_frame_cut_inside_its_last_line(calc, tmp_path):
+    images = mixed(6, seed=19, largest=20)
+    full = tmp_path / "full.extxyz"
+    relax(images, calc, optimizer="MDMin", output=full)
+    output = tmp_path / "cut.extxyz"
+    list(itertools.islice(irelax(images, calc, optimizer="MDMin", output=output), 3))
+    text = output.read_text()
+    output.write_text(text[:-2])  # the last number loses a digit and its newline
+    assert len(finished_indices(output)) == 2
+    relax(images, calc, optimizer="MDMin", output=output, resume=True)
+    assert frames_by_index(output) == frames_by_index(full)
+
+
+def test_sort_output_orders_frames_by_index_keeping_their_text(calc, tmp_path):
+    output = tmp_path / "out.extxyz"
+    images = mixed(10, seed=20, largest=30)
+    order = [
+        i
+        for i, _ in irelax(images, calc, optimizer="MDMin", max_atoms=40, output=output)
+    ]
+    assert order != sorted(order)
+    before = frames_by_index(output)
+    sort_output(output)
+    assert [int(a.info["index"]) for a in iread(output, index=":")] == list(range(10))
+    assert frames_by_index(output) == before
+    assert output.read_text() == "".join(before[i] for i in range(10))

@@ -1,17 +1,23 @@
-"""Batches sized from memory, and what to say when one does not fit.
+"""Working batches sized from memory, the inputs checked first, and out of memory.
 
-By default a batch holds as many consecutive structures as the model's memory
-estimate (:mod:`nvalchemi_ase.models.memory`) lets fit into
+``calc``, ``relax`` and ``md`` run on :mod:`nvalchemi_ase.runners`: a working
+batch holds as many structures as the model's memory estimate
+(:mod:`nvalchemi_ase.models.memory`) lets fit into
 :data:`~nvalchemi_ase.models.memory.SAFETY_FRACTION` of the memory free where
 the model runs, and at most :data:`DEFAULT_MAX_STRUCTURES` structures.
 ``--max-atoms`` replaces the memory rule by an atom count (no memory check),
 ``--batch-size`` the structure cap.
+
+Before any model call :func:`scan_inputs` reads every input frame once, one at
+a time, checks it for the model and against the budget, and keeps only where
+it came from and its size: a bad frame or one too large to fit ends the run
+there, naming ``file@frame``, before any work.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,185 +25,161 @@ from nvalchemi_ase.cli.common import CommandError, Source
 
 __all__ = [
     "DEFAULT_MAX_STRUCTURES",
-    "BatchPlan",
-    "Chunk",
+    "Inputs",
+    "budget_for",
     "is_out_of_memory",
+    "labelled_atoms",
     "out_of_memory_message",
-    "plan_batches",
+    "scan_inputs",
 ]
 
-#: Structures per batch unless ``--batch-size`` says otherwise (one open
-#: trajectory file per structure, and progress every batch).
+#: Structures in the working batch unless ``--batch-size`` says otherwise (one
+#: open trajectory file per structure in flight).
 DEFAULT_MAX_STRUCTURES = 512
 
 
 @dataclass
-class Chunk:
-    """One batch of consecutive inputs.
+class Inputs:
+    """What a run's inputs are, without their structures.
 
     Attributes
     ----------
-    number : int
-        1-based position among the batches.
-    total : int
-        Number of batches.
-    items : list of (int, Source)
-        Global input index and source of each structure.
-    estimated_bytes : float or None
-        Estimated peak memory, bytes (None when not sized from memory).
-    """
-
-    number: int
-    total: int
-    items: list[tuple[int, Source]]
-    estimated_bytes: float | None = None
-
-    @property
-    def atoms(self) -> int:
-        """Atoms in the batch."""
-        return sum(len(source.atoms) for _, source in self.items)
-
-    @property
-    def largest(self) -> int:
-        """Atoms of its largest structure."""
-        return max(len(source.atoms) for _, source in self.items)
-
-    def describe(self) -> str:
-        """E.g. ``"batch 2/4 (in.xyz@16 to in.xyz@31, 16 structures, 512 atoms)"``."""
-        first, last = self.items[0][1].label, self.items[-1][1].label
-        frames = first if len(self.items) == 1 else f"{first} to {last}"
-        count = len(self.items)
-        noun = "structure" if count == 1 else "structures"
-        return (
-            f"batch {self.number}/{self.total} ({frames}, {count} {noun}, "
-            f"{self.atoms} atoms)"
-        )
-
-
-@dataclass
-class BatchPlan:
-    """The batches of a run and the memory figures they were sized with.
-
-    Attributes
-    ----------
-    chunks : list of Chunk
-        In input order.
+    paths : list of str
+        The input files (``file@slice`` allowed), as :func:`expand_inputs` gave.
+    labels : list of str
+        ``file@frame`` of each input structure, in input order (its index).
+    natoms : list of int
+        Atoms of each.
+    estimated_bytes : list of float or None
+        Each one's estimated memory need (None when not sized from memory).
+    budget : Budget
+        The working-batch budget the structures were checked against.
     device : str
         Where the model runs.
-    available : int or None
-        Free memory there at planning time, bytes (None: ``--max-atoms`` given).
-    budget : float or None
-        Bytes a batch may be estimated to need.
-    estimate : MemoryEstimate or None
-        The model's estimate.
     """
 
-    chunks: list[Chunk] = field(default_factory=list)
+    paths: list[str]
+    labels: list[str] = field(default_factory=list)
+    natoms: list[int] = field(default_factory=list)
+    estimated_bytes: list[float] | None = None
+    budget: Any = None
     device: str = "cpu"
-    available: int | None = None
-    budget: float | None = None
-    estimate: Any = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def describe(self, indices: Sequence[int]) -> str:
+        """E.g. ``"a batch of 16 structures, 512 atoms (in.xyz@3, in.xyz@5, ...)"``."""
+        count = len(indices)
+        atoms = sum(self.natoms[i] for i in indices)
+        names = ", ".join(self.labels[i] for i in indices[:3])
+        if count > 3:
+            names += f" and {count - 3} more"
+        noun = "structure" if count == 1 else "structures"
+        return f"a batch of {count} {noun}, {atoms} atoms ({names})"
 
 
-def plan_batches(
-    args: argparse.Namespace, calc: Any, sources: Sequence[Source]
-) -> BatchPlan:
-    """Split the inputs into batches within memory (or the given limits).
+def budget_for(args: argparse.Namespace, calc: Any) -> Any:
+    """Return the runners' budget the options describe (see the module docstring)."""
+    from nvalchemi_ase.runners import Budget
+
+    return Budget.for_calculator(
+        calc, args.max_atoms, None, args.batch_size or DEFAULT_MAX_STRUCTURES
+    )
+
+
+def scan_inputs(
+    paths: Sequence[str],
+    calc: Any,
+    args: argparse.Namespace,
+    *,
+    skin: float | None = None,
+) -> Inputs:
+    """Read every input frame once, check it, and keep its label and size.
 
     Parameters
     ----------
-    args : argparse.Namespace
-        ``batch_size`` and ``max_atoms`` (None: from memory).
+    paths : sequence of str
+        Files from :func:`~nvalchemi_ase.cli.common.expand_inputs`.
     calc : NVAlchemiCalculator
-        Its model, dtype and device give the estimate.
-    sources : sequence of Source
-        All inputs, in order.
+        The model the structures are checked for.
+    args : argparse.Namespace
+        ``max_atoms`` and ``batch_size`` (None: from memory).
+    skin : float, optional
+        Verlet skin the run adds to the model's cutoff, Å (default: the
+        dynamics' :data:`~nvalchemi_ase.dynamics.base.DEFAULT_SKIN`; 0 for
+        single points).
 
     Returns
     -------
-    BatchPlan
-        The batches.
+    Inputs
+        Labels, sizes and the budget, in input order.
 
     Raises
     ------
     CommandError
-        If one structure alone is estimated to need more than the budget (it is
-        named, with its atoms, the estimate and the memory available).
+        For a file that cannot be read, no structure at all, a structure the
+        model cannot run (``file@frame``, the field and the fix), or one too
+        large for the budget (its atoms, the estimate and the memory).
     """
-    max_structures = args.batch_size or DEFAULT_MAX_STRUCTURES
-    device = str(calc.device)
-    if args.max_atoms is not None:
-        sizes = [float(len(s.atoms)) for s in sources]
-        groups = _group(sizes, max_structures, float(args.max_atoms))
-        return BatchPlan(_chunks(sources, groups, None), device)
-    from nvalchemi_ase.models.memory import (
-        SAFETY_FRACTION,
-        available_memory,
-        count_edges,
-        memory_estimate,
+    from nvalchemi_ase.cli.common import iter_sources, structure_message
+    from nvalchemi_ase.convert import StructureError, check_images
+    from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
+
+    budget = budget_for(args, calc)
+    inputs = Inputs(
+        list(paths),
+        estimated_bytes=None if budget.max_bytes is None else [],
+        budget=budget,
+        device=str(calc.device),
     )
-
-    estimate = memory_estimate(calc.model, calc.dtype, calc.device)
-    available = available_memory(calc.device)
-    budget = SAFETY_FRACTION * available
-    costs = [
-        estimate.bytes_for(len(s.atoms), count_edges(s.atoms, estimate.cutoff))
-        for s in sources
-    ]
-    for source, cost in zip(sources, costs, strict=True):
-        if cost > budget:
-            raise CommandError(_too_large(source, cost, available, budget, device))
-    groups = _group(costs, max_structures, budget)
-    return BatchPlan(
-        _chunks(sources, groups, costs), device, available, budget, estimate
-    )
-
-
-def _group(
-    costs: Sequence[float], max_structures: int, budget: float
-) -> list[list[int]]:
-    """Consecutive groups of indices within ``max_structures`` and ``budget``."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    spent = 0.0
-    for index, cost in enumerate(costs):
-        if current and (len(current) >= max_structures or spent + cost > budget):
-            groups.append(current)
-            current, spent = [], 0.0
-        current.append(index)
-        spent += cost
-    if current:
-        groups.append(current)
-    return groups
+    for source in iter_sources(paths):
+        try:
+            check_images(
+                [source.atoms],
+                model=calc.model,
+                skin=DEFAULT_SKIN if skin is None else skin,
+            )
+        except StructureError as error:
+            raise CommandError(structure_message(source, error)) from error
+        cost = budget.cost(source.atoms)
+        if budget.refusal(cost) is not None:
+            raise CommandError(_too_large(source, cost, budget, inputs.device))
+        inputs.labels.append(source.label)
+        inputs.natoms.append(len(source.atoms))
+        if inputs.estimated_bytes is not None:
+            inputs.estimated_bytes.append(float(cost[2]))
+    if not inputs.labels:
+        raise CommandError("no structures in the input files")
+    return inputs
 
 
-def _chunks(
-    sources: Sequence[Source],
-    groups: list[list[int]],
-    costs: Sequence[float] | None,
-) -> list[Chunk]:
-    return [
-        Chunk(
-            number,
-            len(groups),
-            [(i, sources[i]) for i in group],
-            None if costs is None else sum(costs[i] for i in group),
-        )
-        for number, group in enumerate(groups, start=1)
-    ]
+def labelled_atoms(paths: Sequence[str]) -> Iterator[Any]:
+    """Yield the input structures one at a time, ``info["source"]`` = ``file@frame``."""
+    from nvalchemi_ase.cli.common import iter_sources
+
+    for source in iter_sources(paths):
+        source.atoms.info["source"] = source.label
+        yield source.atoms
 
 
-def _too_large(
-    source: Source, cost: float, available: int, budget: float, device: str
-) -> str:
+def _too_large(source: Source, cost: Any, budget: Any, device: str) -> str:
     from nvalchemi_ase.models.memory import SAFETY_FRACTION, format_bytes
 
+    atoms = len(source.atoms)
+    if budget.max_atoms is not None:
+        return (
+            f"{source.label} has {atoms} atoms, more than --max-atoms "
+            f"{budget.max_atoms}; raise --max-atoms to at least {atoms}"
+        )
+    available = budget.available or 0
     return (
-        f"{source.label} ({len(source.atoms)} atoms) needs about "
-        f"{format_bytes(cost)} by the model's memory estimate, but {device} has "
+        f"{source.label} ({atoms} atoms) needs about "
+        f"{format_bytes(cost[2])} by the model's memory estimate, but {device} has "
         f"{format_bytes(available)} available (batches may use "
-        f"{SAFETY_FRACTION:.0%}: {format_bytes(budget)}); run it on a machine "
-        "or device with more memory, or pass --max-atoms to skip this check"
+        f"{SAFETY_FRACTION:.0%}: {format_bytes(budget.max_bytes or 0)}); run it on "
+        "a machine or device with more memory, or pass --max-atoms to skip this "
+        "check"
     )
 
 
@@ -244,16 +226,17 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def out_of_memory_message(
-    chunk: Chunk, plan: BatchPlan, error: BaseException, where: str
+    inputs: Inputs, indices: Sequence[int] | None, error: BaseException, where: str
 ) -> str:
     """One line naming the batch that ran out of memory and the limit to use.
 
     Parameters
     ----------
-    chunk : Chunk
-        The batch.
-    plan : BatchPlan
-        For the memory figures.
+    inputs : Inputs
+        Labels, sizes and memory figures.
+    indices : sequence of int or None
+        Input indices of the structures in the batch (the error's
+        ``input_indices``; None when the runner did not say).
     error : BaseException
         The allocation failure (its first line is quoted).
     where : str
@@ -266,32 +249,41 @@ def out_of_memory_message(
     """
     from nvalchemi_ase.models.memory import format_bytes
 
-    figures = ""
-    if chunk.estimated_bytes is not None and plan.available is not None:
-        figures = (
-            f"; estimated {format_bytes(chunk.estimated_bytes)}, "
-            f"{format_bytes(plan.available)} were available"
+    cause = (str(error).strip().splitlines() or [""])[0][:200]
+    device = inputs.device
+    if not indices:
+        return (
+            f"out of memory on {device}: rerun with a smaller --max-atoms "
+            f"({type(error).__name__}: {cause}); {where}"
         )
-    if len(chunk.items) == 1:
+    figures = ""
+    if inputs.estimated_bytes is not None and inputs.budget.available is not None:
+        estimated = sum(inputs.estimated_bytes[i] for i in indices)
+        figures = (
+            f"; estimated {format_bytes(estimated)}, "
+            f"{format_bytes(inputs.budget.available)} were available"
+        )
+    if len(indices) == 1:
         advice = (
-            f"{chunk.items[0][1].label} alone does not fit on {plan.device}: use a "
+            f"{inputs.labels[indices[0]]} alone does not fit on {device}: use a "
             "device with more memory"
         )
     else:
-        advice = f"rerun with --max-atoms {suggested_max_atoms(chunk)}"
-    cause = (str(error).strip().splitlines() or [""])[0][:200]
+        advice = f"rerun with --max-atoms {suggested_max_atoms(inputs, indices)}"
     return (
-        f"out of memory on {plan.device} in {chunk.describe()}{figures}: {advice} "
-        f"({type(error).__name__}: {cause}); {where}"
+        f"out of memory on {device} in {inputs.describe(indices)}{figures}: "
+        f"{advice} ({type(error).__name__}: {cause}); {where}"
     )
 
 
-def suggested_max_atoms(chunk: Chunk) -> int:
+def suggested_max_atoms(inputs: Inputs, indices: Sequence[int]) -> int:
     """Half the batch's atoms, but no fewer than its largest structure.
 
     Parameters
     ----------
-    chunk : Chunk
+    inputs : Inputs
+        The sizes.
+    indices : sequence of int
         The batch that did not fit.
 
     Returns
@@ -299,4 +291,5 @@ def suggested_max_atoms(chunk: Chunk) -> int:
     int
         A ``--max-atoms`` value.
     """
-    return max(chunk.largest, chunk.atoms // 2)
+    sizes = [inputs.natoms[i] for i in indices]
+    return max(max(sizes), sum(sizes) // 2)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +19,17 @@ __all__ = [
     "add_batching_options",
     "add_model_options",
     "add_overwrite_option",
+    "add_resume_option",
     "build_calculator",
     "default_model_name",
     "expand_inputs",
+    "iter_sources",
     "parse_model_spec",
     "positive_float",
     "positive_int",
+    "read_paths",
     "read_sources",
+    "result_properties",
     "show_progress",
 ]
 
@@ -127,6 +132,19 @@ def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_resume_option(parser: argparse.ArgumentParser) -> None:
+    """``--resume``: continue an interrupted run from its ``.partial`` files."""
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted or killed run with the same inputs and "
+        "options: the structures already in its NAME.partial.EXT files are kept "
+        "and not computed again (a frame cut off mid-write is dropped); without "
+        "partial files the run starts from the beginning, so a job script can "
+        "always pass it",
+    )
+
+
 def default_model_name() -> str:
     """SevenNet-0 when its package is installed, else Lennard-Jones argon."""
     from nvalchemi_ase.models import available_models
@@ -222,55 +240,88 @@ def read_paths(paths: Sequence[str]) -> list[Source]:
     CommandError
         Naming the file (unreadable) or the frame (invalid structure).
     """
-    from ase.io import read
-
     from nvalchemi_ase.convert import StructureError, check_images
 
-    sources: list[Source] = []
-    for path in paths:
-        name, _, index = path.partition("@")
-        try:
-            frames = read(name, index=index or ":")
-        except Exception as error:  # ase.io raises many types for bad files
-            raise CommandError(
-                f"{name}: cannot read it ({type(error).__name__}: {error}); give a "
-                "file ase.io.read understands (extxyz, traj, cif, POSCAR, ...)"
-            ) from error
-        frames = frames if isinstance(frames, list) else [frames]
-        numbers = _frame_numbers(name, index, len(frames))
-        sources.extend(Source(name, k, a) for k, a in zip(numbers, frames, strict=True))
+    sources = list(iter_sources(paths))
     if not sources:
         raise CommandError("no structures in the input files")
     try:
         check_images([s.atoms for s in sources])
     except StructureError as error:
-        source = sources[error.index]
-        message = str(error).split(": ", 1)[1]
-        raise CommandError(f"{source.label}: {error.field} {message}") from error
+        raise CommandError(structure_message(sources[error.index], error)) from error
     return sources
 
 
-def _frame_numbers(name: str, index: str, count: int) -> list[int]:
-    """Frame numbers in the file of the ``count`` frames ``name@index`` selected."""
+def iter_sources(paths: Iterable[str]) -> Iterator[Source]:
+    """Every frame of files expanded by :func:`expand_inputs`, read one at a time.
+
+    Nothing is validated here and no frame is kept: memory holds one frame
+    (``ase.io.iread``), whatever the size of the files.
+
+    Parameters
+    ----------
+    paths : iterable of str
+        Existing files, each optionally with ``@slice``.
+
+    Yields
+    ------
+    Source
+        In input order, with the frame's number in its file.
+
+    Raises
+    ------
+    CommandError
+        Naming the file (and the frame reached) when it cannot be read.
+    """
+    from ase.io import iread
+
+    for path in paths:
+        name, _, index = path.partition("@")
+        numbers = _frame_numbers(name, index)
+        frame = None
+        try:
+            for frame, atoms in zip(
+                numbers, iread(name, index=index or ":"), strict=False
+            ):
+                yield Source(name, frame, atoms)
+        except Exception as error:  # ase.io raises many types for bad files
+            where = name if frame is None else f"{name} after frame {frame}"
+            raise CommandError(
+                f"{where}: cannot read it ({type(error).__name__}: {error}); give a "
+                "file ase.io.read understands (extxyz, traj, cif, POSCAR, ...)"
+            ) from error
+
+
+def structure_message(source: Source, error: Any) -> str:
+    """``file@frame: field problem; fix`` for a ``StructureError`` of ``source``."""
+    message = str(error).split(": ", 1)[1]
+    return f"{source.label}: {error.field} {message}"
+
+
+def _frame_numbers(name: str, index: str) -> Iterable[int]:
+    """Frame numbers in the file of the frames ``name@index`` selects, in order."""
     from ase.io.formats import string2index
 
     selection = string2index(index or ":")
     if isinstance(selection, str):
         # a database query (``file.db@key=value``): no frame numbers in a file,
         # so the frames are numbered within the selection
-        return list(range(count))
+        return itertools.count()
     if isinstance(selection, slice):
         start, step = selection.start or 0, selection.step or 1
         if start >= 0 and step > 0:
-            return [start + k * step for k in range(count)]
+            return itertools.count(start, step)
     else:
         selection = slice(selection, None if selection == -1 else selection + 1)
         if selection.start >= 0:
             return [selection.start]
-    from ase.io import read
+    from ase.io import iread
 
-    total = len(read(name, index=":"))  # negative indices: count the frames
-    return list(range(total)[selection])[:count]
+    try:  # negative indices: count the frames
+        total = sum(1 for _ in iread(name, index=":"))
+    except Exception:  # the read of the frames names the file
+        return itertools.count()
+    return range(total)[selection]
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -303,6 +354,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             suffix = pattern[len(name) :]
             paths.append(match + suffix)
     return paths
+
+
+def result_properties(calc: Any) -> list[str]:
+    """Energy, forces and, when the model computes it, stress: what outputs hold."""
+    return [
+        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
+    ]
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:

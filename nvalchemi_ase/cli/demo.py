@@ -106,7 +106,11 @@ def demo_structures(model_name: str) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate, relax and run MD on the demo batch; print and save the results."""
-    from nvalchemi_ase.cli.common import build_calculator, parse_model_spec
+    from nvalchemi_ase.cli.common import (
+        build_calculator,
+        parse_model_spec,
+        result_properties,
+    )
 
     stages = _Stages(enabled=not args.quiet)
     name, _ = parse_model_spec(args.model)
@@ -130,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(images)} structures in one batched call ..."
         )
         start = _clock()
-        results = calc.calculate_batch(images, _properties(calc))
+        results = calc.calculate_batch(images, result_properties(calc))
         elapsed = _clock() - start
         _print(f"\nsingle points (one batched call, {elapsed:.2f} s):")
         _print(_table(labels, images, results))
@@ -230,6 +234,7 @@ def _relax(
 ) -> None:
     from ase.io import write
 
+    from nvalchemi_ase.cli.common import result_properties
     from nvalchemi_ase.dynamics.progress import format_rate
     from nvalchemi_ase.dynamics.recorder import Recorder
     from nvalchemi_ase.optimize import FIRE
@@ -250,7 +255,7 @@ def _relax(
     start = _clock()
     opt.run(fmax=0.05, steps=300)
     elapsed = _clock() - start
-    relaxed = calc.calculate_batch(images, _properties(calc))
+    relaxed = calc.calculate_batch(images, result_properties(calc))
     converged = int(opt.converged_mask.sum())
     rate = format_rate(opt.nsteps, elapsed, "batched step")
     _print(
@@ -323,12 +328,6 @@ def _run_md(
         f"{rates}); final T: {temperatures}"
     )
     stages.say(f"MD done ({elapsed:.1f} s, {rates})")
-
-
-def _properties(calc: Any) -> list[str]:
-    return [
-        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
-    ]
 
 
 def _table(labels: list[str], images: list[Any], results: list[dict[str, Any]]) -> str:

@@ -1,12 +1,18 @@
 """``nvalchemi-ase md``: batched molecular dynamics of every input structure.
 
-Writes into ``--output-dir``: one ASE trajectory per structure
-(``md_NNNNN.traj``, a frame every ``--interval`` steps, with energies and
-forces), a log (``md.log``: one line per logged step for the batch), the final
-structures with each one's own energy, forces and stress (``final.extxyz``,
-input order, ``info["source"]`` = ``file@frame``) and, with ``--plot``,
-``md.png``. Times are given in fs, temperatures in K, pressures in GPa,
-friction in 1/fs.
+Runs :func:`nvalchemi_ase.runners.imd`: consecutive inputs in batches sized
+from the model's memory estimate and the memory free on the device, one
+batched MD run each; inputs are read one frame at a time (once first, to check
+every frame before any model call). Writes into ``--output-dir``: one ASE
+trajectory per structure (``md_NNNNN.traj``, NNNNN the input position, a frame
+every ``--interval`` steps, with energies and forces), a log (``md.log``: one
+line per logged step for each batch), the final structures with each one's own
+energy, forces and stress (``final.extxyz``, input order, ``info["source"]`` =
+``file@frame``) and, with ``--plot``, ``md.png``. Times are given in fs,
+temperatures in K, pressures in GPa, friction in 1/fs. A structure without
+momenta starts from a Maxwell-Boltzmann draw of its own (seeded by --seed and
+its input position); a Langevin batch's noise is seeded by --seed and the
+batch's position.
 
 A structure that fails (non-finite state, exploding forces or steps) stops
 while the others go on; it is left out of final.extxyz and written, in its last
@@ -14,23 +20,23 @@ finite state, to failed.extxyz with a row (input file, frame, step, reason) in
 failures.csv; the exit status is then 1.
 
 Files are written as NAME.partial.EXT, batch by batch (what was computed before
-an error or Ctrl-C stays there), and renamed to NAME.EXT when all batches are
+an error, Ctrl-C or a killed job stays there; --resume continues from it: a
+batch cut short is run again whole, so with the same options every number is
+that of an uninterrupted run), and renamed to NAME.EXT when all batches are
 done; existing outputs are replaced only with --overwrite, and an output that
-is an input is refused. Batches are sized from the model's memory estimate and
-the memory free on the device.
+is an input is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nvalchemi_ase.cli.batching import Chunk
-    from nvalchemi_ase.cli.outputs import FailureLog, OutputFiles
-    from nvalchemi_ase.cli.runs import RunState, StructureOutcome
+    from collections.abc import Iterator, Sequence
+
+    from nvalchemi_ase.cli.outputs import OutputFiles
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_batching_options,
         add_model_options,
         add_overwrite_option,
+        add_resume_option,
         positive_float,
         positive_int,
     )
@@ -108,167 +115,124 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="md-output",
         help="output folder (default: md-output)",
     )
-    parser.add_argument("--plot", action="store_true", help="write md.png")
+    parser.add_argument(
+        "--plot",
+        action="store_true",
+        help="write md.png: energy, temperature and pressure of every structure "
+        "run by this command",
+    )
     add_overwrite_option(parser)
+    add_resume_option(parser)
     add_model_options(parser)
     add_batching_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run MD batch by batch and write trajectories, logs and final structures."""
-    from nvalchemi_ase.cli.batching import plan_batches
+    from ase import units
+
+    from nvalchemi_ase.cli.batching import scan_inputs
     from nvalchemi_ase.cli.common import (
         CommandError,
         build_calculator,
         expand_inputs,
-        read_paths,
+        result_properties,
         say,
+        show_progress,
     )
-    from nvalchemi_ase.cli.outputs import FailureLog, OutputFiles
-    from nvalchemi_ase.cli.runs import RunState
+    from nvalchemi_ase.cli.outputs import OutputFiles, write_failure_table
+    from nvalchemi_ase.cli.runs import RunState, report_failure, resumed
+    from nvalchemi_ase.runners import imd
 
     if args.temperature < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
     inputs = expand_inputs(args.files)
-    outputs = OutputFiles(inputs, overwrite=args.overwrite)
+    outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     folder = Path(args.output_dir)
-    files = _Files(
-        final=outputs.claim(folder / "final.extxyz"),  # before any work
-        log=outputs.claim(folder / "md.log"),
-        failures=FailureLog(outputs, folder / "failed.extxyz", folder / "failures.csv"),
-    )
+    files = _Files(outputs, folder, plot=args.plot)  # before any work
     calc = build_calculator(args)  # configuration errors next, before reading
-    sources = read_paths(inputs)
-    files.trajectories = [
-        outputs.claim(folder / f"md_{index:05d}.traj") for index in range(len(sources))
-    ]
-    state = RunState(outputs, plan_batches(args, calc, sources))
-    files.plots = _claim_plots(args, outputs, folder, len(state.plan.chunks))
+    scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
+    trajectory = _claim_trajectories(outputs, folder, len(scanned))
+    done = resumed(args, files.final, files.failed, scanned)
+    state = RunState(outputs, scanned, done=done)
     args.run_state = state
     folder.mkdir(parents=True, exist_ok=True)
-    for chunk in state.plan.chunks:
-        with state.batch(chunk):
-            _run_chunk(args, calc, chunk, state, files)
+    dynamics, parameters = _dynamics(args)
+    series: dict[int, Any] | None = {} if args.plot else None
+    with state.running():
+        for _, atoms in imd(
+            _thermalized(inputs, args.temperature, args.seed),
+            calc,
+            dynamics=dynamics,
+            timestep=args.timestep * units.fs,
+            steps=args.steps,
+            max_atoms=args.max_atoms,
+            max_structures=scanned.budget.max_structures,
+            properties=result_properties(calc),
+            output=files.final,
+            failures=files.failed,
+            resume=args.resume,
+            trajectory=trajectory,
+            logfile=files.log,
+            loginterval=args.interval,
+            series=series,
+            progress=show_progress(args),
+            **parameters,
+        ):
+            state.done += 1
+            if atoms.info["failure"] is not None:
+                report_failure(args.command, atoms, files.failed_final)
+    failed = write_failure_table(files.failed, files.table)
+    if files.plot is not None and series:
+        _plot(series, scanned.labels, files.plot, args.ensemble)
     outputs.commit()
-    failed = files.failures.count
-    note = f"; {failed} failed (see {files.failures.table})" if failed else ""
+    note = f"; {failed} failed (see {files.table_final})" if failed else ""
     say(
         args,
-        f"{len(sources)} structures, {args.steps} steps of {args.timestep} fs "
+        f"{len(scanned)} structures, {args.steps} steps of {args.timestep} fs "
         f"({args.ensemble.upper()}){note}; outputs in {folder}/",
     )
     return 1 if failed else 0
 
 
-@dataclass
 class _Files:
-    """Staged output paths of an MD run."""
+    """Staged output paths of an MD run (claimed before any work)."""
 
-    final: Path
-    log: Path
-    failures: FailureLog
-    trajectories: list[Path] = field(default_factory=list)
-    plots: list[Path] | None = None
-
-
-def _claim_plots(
-    args: argparse.Namespace, outputs: OutputFiles, folder: Path, chunks: int
-) -> list[Path] | None:
-    """Staged PNG paths, one per batch (``md.png``, ``md_1.png``, ...), or None."""
-    if not args.plot:
-        return None
-    return [
-        outputs.claim(folder / f"md{'' if k == 0 else f'_{k}'}.png")
-        for k in range(chunks)
-    ]
+    def __init__(self, outputs: OutputFiles, folder: Path, *, plot: bool) -> None:
+        self.failed_final = folder / "failed.extxyz"
+        self.table_final = folder / "failures.csv"
+        self.final = outputs.claim(folder / "final.extxyz")
+        self.log = outputs.claim(folder / "md.log")
+        self.failed = outputs.claim(self.failed_final)
+        self.table = outputs.claim(self.table_final)
+        self.plot = outputs.claim(folder / "md.png") if plot else None
 
 
-def _run_chunk(
-    args: argparse.Namespace,
-    calc: Any,
-    chunk: Chunk,
-    state: RunState,
-    files: _Files,
-) -> None:
+def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:
+    """Claim one trajectory per input structure; the runner's staged template."""
+    from nvalchemi_ase.cli.outputs import partial_name
+
+    for index in range(count):
+        outputs.claim(folder / f"md_{index:05d}.traj")
+    return str(partial_name(folder / "md_{i:05d}.traj"))
+
+
+def _thermalized(
+    paths: Sequence[str], temperature_K: float, seed: int
+) -> Iterator[Any]:
+    """Yield the inputs one at a time, momenta drawn at ``temperature_K`` if missing.
+
+    Each structure's draw is seeded by ``seed`` and its input position alone,
+    so it does not depend on the batches (a resumed run draws the same).
+    """
     import numpy as np
 
-    from nvalchemi_ase.cli.common import show_progress
-    from nvalchemi_ase.cli.runs import failed_structures, quiet_failure_warnings
-    from nvalchemi_ase.dynamics.recorder import Recorder
+    from nvalchemi_ase.cli.batching import labelled_atoms
 
-    images = [source.atoms.copy() for _, source in chunk.items]
-    rng = np.random.default_rng(args.seed + chunk.number - 1)
-    for atoms in images:
-        atoms.calc = calc
-        if "momenta" not in atoms.arrays and args.temperature > 0:
-            _thermalize(atoms, args.temperature, rng)
-    dyn = _dynamics(args, images, rng)(
-        trajectory=[files.trajectories[index] for index, _ in chunk.items],
-        logfile=str(files.log),
-        loginterval=args.interval,
-        progress=show_progress(args),
-    )
-    state.dynamics = dyn
-    recorder = Recorder(dyn, args.interval) if files.plots is not None else None
-    try:
-        with quiet_failure_warnings():
-            dyn.run(args.steps)
-    finally:
-        dyn.close()
-    failed = {f.position: f for f in failed_structures(dyn)}
-    _write_final(calc, chunk, images, set(failed), files.final)
-    for position, failure in failed.items():
-        _record_failure(args, chunk, images[position], failure, files.failures)
-    if recorder is not None and files.plots is not None:
-        recorder.plot(
-            files.plots[chunk.number - 1],
-            title=f"{args.ensemble.upper()} MD ({len(images)} structures)",
-        )
-
-
-def _write_final(
-    calc: Any, chunk: Chunk, images: list[Any], failed: set[int], path: Path
-) -> None:
-    """Append the final state of every structure that did not fail.
-
-    Each frame gets its own energy, forces (and stress for cells of rank 3)
-    from one batched evaluation of the final states, held by a
-    ``SinglePointCalculator`` of its own.
-    """
-    from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.io import write
-
-    keep = [k for k in range(len(images)) if k not in failed]
-    if not keep:
-        return
-    properties = [
-        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
-    ]
-    kept = [images[k] for k in keep]
-    results = calc.calculate_batch(kept, properties)
-    for k, atoms, result in zip(keep, kept, results, strict=True):
-        atoms.calc = SinglePointCalculator(atoms, **result)
-        atoms.info["source"] = chunk.items[k][1].label
-    write(path, kept, format="extxyz", append=True)
-
-
-def _record_failure(
-    args: argparse.Namespace,
-    chunk: Chunk,
-    atoms: Any,
-    failure: StructureOutcome,
-    failures: FailureLog,
-) -> None:
-    """Write a failed structure to the failures files and report it."""
-    from nvalchemi_ase.cli.runs import report
-
-    source = chunk.items[failure.position][1]
-    failures.record(source, atoms, failure.step, failure.reason)
-    report(
-        args.command,
-        f"{source.label} failed at step {failure.step}: {failure.reason}; its last "
-        f"finite state goes to {failures.structures}",
-    )
+    for index, atoms in enumerate(labelled_atoms(paths)):
+        if "momenta" not in atoms.arrays and temperature_K > 0:
+            _thermalize(atoms, temperature_K, np.random.default_rng([seed, index]))
+        yield atoms
 
 
 def _thermalize(atoms: Any, temperature_K: float, rng: Any) -> None:
@@ -282,40 +246,50 @@ def _thermalize(atoms: Any, temperature_K: float, rng: Any) -> None:
         )
 
 
-def _dynamics(args: argparse.Namespace, images: list[Any], rng: Any) -> Any:
-    """Bind the chosen integrator to the structures; keyword arguments follow."""
-    import functools
-
+def _dynamics(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """Return the ``nvalchemi_ase.md`` class name and its keyword arguments."""
     from ase import units
 
-    from nvalchemi_ase import md
-
-    timestep = args.timestep * units.fs
     if args.ensemble == "nve":
-        return functools.partial(md.VelocityVerlet, images, timestep)
+        return "VelocityVerlet", {}
     if args.ensemble == "npt":
-        return functools.partial(
-            md.IsotropicMTKNPT,
-            images,
-            timestep,
-            args.temperature,
-            args.pressure * units.GPa,
-            args.tdamp * units.fs,
-            args.pdamp * units.fs,
-        )
+        return "IsotropicMTKNPT", {
+            "temperature_K": args.temperature,
+            "pressure_au": args.pressure * units.GPa,
+            "tdamp": args.tdamp * units.fs,
+            "pdamp": args.pdamp * units.fs,
+        }
     if args.thermostat == "nose-hoover":
-        return functools.partial(
-            md.NoseHooverChainNVT,
-            images,
-            timestep,
-            args.temperature,
-            args.tdamp * units.fs,
-        )
-    return functools.partial(
-        md.Langevin,
-        images,
-        timestep,
-        args.temperature,
-        args.friction / units.fs,
-        seed=int(rng.integers(2**31 - 1)),
+        return "NoseHooverChainNVT", {
+            "temperature_K": args.temperature,
+            "tdamp": args.tdamp * units.fs,
+        }
+    return "Langevin", {
+        "temperature_K": args.temperature,
+        "friction": args.friction / units.fs,
+        "seed": args.seed,
+    }
+
+
+def _plot(
+    series: dict[int, Any], labels: Sequence[str], path: Path, ensemble: str
+) -> None:
+    """Every structure run by this command in one figure (same steps for all)."""
+    import numpy as np
+
+    from nvalchemi_ase import plotting
+
+    indices = sorted(series)
+    first = series[indices[0]]
+    arrays = {
+        key: first[key]  # the same steps for every structure
+        if key in ("step", "time_ps")
+        else np.stack([series[i][key] for i in indices], axis=1)
+        for key in first
+    }
+    plotting.plot_md(
+        arrays,
+        path,
+        title=f"{ensemble.upper()} MD ({len(indices)} structures)",
+        labels=[labels[i] for i in indices],
     )

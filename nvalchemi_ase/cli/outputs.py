@@ -1,12 +1,13 @@
-"""Output files that never destroy data: staged names, refusal, failures table.
+"""Output files that never destroy data: staged names, refusal, resume, failures.
 
 Every file a command writes is first written under a staged name next to it
 (``relaxed.extxyz`` → ``relaxed.partial.extxyz``, ``md_00003.traj`` →
-``md_00003.partial.traj``), chunk by chunk as results are computed, and renamed
-to its final name only when the whole run has finished. A crash or Ctrl-C
-therefore leaves the results so far in the ``.partial`` files and any earlier
-output untouched. An output that already exists is replaced only with
-``--overwrite``; an output path that is also an input is always refused.
+``md_00003.partial.traj``), structure by structure as results are computed,
+and renamed to its final name only when the whole run has finished. A crash,
+Ctrl-C or a killed job therefore leaves the results so far in the ``.partial``
+files and any earlier output untouched, and ``--resume`` continues from them.
+An output that already exists is replaced only with ``--overwrite``; an output
+path that is also an input is always refused.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import csv
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from nvalchemi_ase.cli.common import CommandError, Source
+from nvalchemi_ase.cli.common import CommandError
 
-__all__ = ["PARTIAL", "FailureLog", "OutputFiles", "partial_name"]
+__all__ = ["PARTIAL", "OutputFiles", "partial_name", "write_failure_table"]
 
 #: Marker inserted before the suffix of a file while it is being written.
 PARTIAL = ".partial"
@@ -54,10 +54,15 @@ class OutputFiles:
         Input files as given (``file@slice`` allowed), never to be written.
     overwrite : bool
         Whether an existing output may be replaced (at the end of the run).
+    resume : bool
+        Keep the staged files of an interrupted run and continue them.
     """
 
-    def __init__(self, inputs: Sequence[str], *, overwrite: bool) -> None:
+    def __init__(
+        self, inputs: Sequence[str], *, overwrite: bool, resume: bool = False
+    ) -> None:
         self.overwrite = overwrite
+        self.resume = resume
         self._inputs = {Path(name.partition("@")[0]).resolve(): name for name in inputs}
         self._claimed: list[Path] = []
 
@@ -72,14 +77,16 @@ class OutputFiles:
         Returns
         -------
         pathlib.Path
-            Its staged name (:func:`partial_name`); with ``overwrite``, a stale
-            staged file from an interrupted run is removed.
+            Its staged name (:func:`partial_name`); with ``resume`` a staged
+            file of an interrupted run is kept to be continued, else with
+            ``overwrite`` it is removed.
 
         Raises
         ------
         CommandError
             If the path (or its staged name) is an input, or exists and
-            ``overwrite`` is False.
+            ``overwrite`` is False, or its staged name exists and neither
+            ``resume`` nor ``overwrite`` is given.
         """
         final = Path(path)
         staged = partial_name(final)
@@ -90,19 +97,19 @@ class OutputFiles:
                     f"output {candidate} is the input {source}: writing it would "
                     "destroy the input; choose another output name"
                 )
-        if not self.overwrite:
-            if final.exists():
+        if final.exists() and not self.overwrite:
+            raise CommandError(
+                f"{final} exists (an earlier run's output); pass --overwrite to "
+                "replace it once the new results are complete, or choose another "
+                "output"
+            )
+        if staged.exists() and not self.resume:
+            if not self.overwrite:
                 raise CommandError(
-                    f"{final} exists (an earlier run's output); pass --overwrite to "
-                    "replace it once the new results are complete, or choose another "
-                    "output"
+                    f"{staged} holds the results of an interrupted run; pass "
+                    "--resume to continue it, --overwrite to discard it, or move "
+                    "it away"
                 )
-            if staged.exists():
-                raise CommandError(
-                    f"{staged} holds the results of an interrupted run; move it "
-                    "away, or pass --overwrite to discard it"
-                )
-        elif staged.exists():
             staged.unlink()
         self._claimed.append(final)
         return staged
@@ -148,51 +155,35 @@ class OutputFiles:
                 final.unlink()
 
 
-class FailureLog:
-    """Structures that failed: their last finite state and a CSV table.
+def write_failure_table(structures: Path, table: Path) -> int:
+    """Write the CSV table of a run's failed structures; return how many.
 
     Parameters
     ----------
-    outputs : OutputFiles
-        Where the two files are claimed.
     structures : pathlib.Path
-        Final path of the extxyz of failed structures (last finite state,
-        ``info``: ``source``, ``failed_step``, ``failure``).
+        The runner's failures file (extxyz; ``info`` ``source``, ``steps``,
+        ``failure``); may be missing.
     table : pathlib.Path
-        Final path of the CSV table (:data:`FAILURE_COLUMNS`).
+        The CSV to write (:data:`FAILURE_COLUMNS`: input file, frame, step,
+        reason), in input order; not written when nothing failed.
+
+    Returns
+    -------
+    int
+        Rows written.
     """
+    from nvalchemi_ase.runners import read_results
 
-    def __init__(self, outputs: OutputFiles, structures: Path, table: Path) -> None:
-        self.structures = structures
-        self.table = table
-        self._structures_staged = outputs.claim(structures)
-        self._table_staged = outputs.claim(table)
-        self.count = 0
-
-    def record(self, source: Source, atoms: Any, step: int, reason: str) -> None:
-        """Write one failed structure and its table row (flushed at once).
-
-        Parameters
-        ----------
-        source : Source
-            Where it came from.
-        atoms : ase.Atoms
-            Its last finite state (written without calculator results).
-        step : int
-            Step at which it failed (0: the initial evaluation).
-        reason : str
-            What went wrong.
-        """
-        from ase.io import write
-
-        frame = atoms.copy()
-        frame.calc = None
-        frame.info.update(source=source.label, failed_step=int(step), failure=reason)
-        write(self._structures_staged, frame, format="extxyz", append=True)
-        new = not self._table_staged.exists()
-        with self._table_staged.open("a", newline="", encoding="utf-8") as handle:
-            writer = csv.writer(handle)
-            if new:
-                writer.writerow(FAILURE_COLUMNS)
-            writer.writerow((source.path, source.frame, int(step), reason))
-        self.count += 1
+    failed = read_results(structures, failures=False) if structures.exists() else []
+    if not failed:
+        table.unlink(missing_ok=True)
+        return 0
+    with table.open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(FAILURE_COLUMNS)
+        for atoms in failed:
+            path, _, frame = str(atoms.info["source"]).rpartition("@")
+            writer.writerow(
+                (path, frame, int(atoms.info["steps"]), atoms.info["failure"])
+            )
+    return len(failed)

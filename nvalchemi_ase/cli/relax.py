@@ -1,20 +1,26 @@
 """``nvalchemi-ase relax``: relax every frame of every input, many at a time.
 
+Runs :func:`nvalchemi_ase.runners.irelax`: a working batch sized from the
+model's memory estimate and the memory free on the device; each structure
+leaves it as soon as it has converged (or reached --steps, or failed) and the
+next input takes its place. Inputs are read one frame at a time (once first,
+to check every frame before any model call).
+
 Writes one multi-frame extxyz in input order: relaxed positions (and cell with
 ``--cell``), energy (eV), forces (eV/Å), stress (eV/Å³, cells of rank 3), and in
-``info``: ``converged`` (bool), ``relax_steps`` (steps until converged, -1 if
-not) and ``source`` (``file@frame``).
+``info``: ``converged`` (bool), ``steps`` (the structure's own optimizer
+steps), ``index`` (input position) and ``source`` (``file@frame``).
 
 A structure that fails (non-finite or exploding forces or steps) stops while
-the others of its batch go on; it is left out of OUTPUT and written, in its
-last finite state, to STEM.failed.extxyz, with a row (input file, frame, step,
-reason) in STEM.failures.csv; the exit status is then 1.
+the others go on; it is left out of OUTPUT and written, in its last finite
+state, to STEM.failed.extxyz, with a row (input file, frame, step, reason) in
+STEM.failures.csv; the exit status is then 1.
 
-Files are written as NAME.partial.EXT, batch by batch (what was computed before
-an error or Ctrl-C stays there), and renamed to NAME.EXT when all batches are
-done; existing outputs are replaced only with --overwrite, and an output that
-is an input is refused. Batches are sized from the model's memory estimate and
-the memory free on the device.
+Each structure is appended to NAME.partial.EXT as soon as it finishes (what
+was computed before an error, Ctrl-C or a killed job stays there; --resume
+continues from it), and the files are renamed to NAME.EXT when all structures
+are done; existing outputs are replaced only with --overwrite, and an output
+that is an input is refused.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nvalchemi_ase.cli.batching import Chunk
-    from nvalchemi_ase.cli.outputs import FailureLog, OutputFiles
-    from nvalchemi_ase.cli.runs import RunState, StructureOutcome
+    from nvalchemi_ase.cli.outputs import OutputFiles
 
-__all__ = ["OPTIMIZERS", "add_arguments", "run"]
+__all__ = ["CELL_OPTIMIZERS", "OPTIMIZERS", "add_arguments", "run"]
 
 OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS")
+
+#: Optimizers that relax cells (nvalchemi's variable-cell engines).
+CELL_OPTIMIZERS = ("FIRE2", "LBFGS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_batching_options,
         add_model_options,
         add_overwrite_option,
+        add_resume_option,
         positive_float,
         positive_int,
     )
@@ -57,12 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=positive_int,
         default=1000,
-        help="step limit per batch (default: 1000)",
+        help="step limit of each structure (default: 1000)",
     )
     parser.add_argument(
         "--cell",
         action="store_true",
-        help="relax the cell too (ASE's FrechetCellFilter; FIRE2, LBFGS, BFGS)",
+        help="relax the cell too (ASE's FrechetCellFilter; FIRE2, LBFGS)",
     )
     parser.add_argument(
         "-o",
@@ -75,219 +83,195 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trajectories",
         metavar="DIR",
         default=None,
-        help="also write one ASE trajectory per structure into DIR (NNNNN.traj)",
+        help="also write one ASE trajectory per structure into DIR (NNNNN.traj, "
+        "NNNNN the input position)",
     )
     parser.add_argument(
         "--plot",
         action="store_true",
-        help="write energy and fmax against step as PNG next to the output",
+        help="write STEM.png next to the output: energy and fmax of each "
+        "structure against its own step (the structures relaxed by this run)",
     )
     add_overwrite_option(parser)
+    add_resume_option(parser)
     add_model_options(parser)
     add_batching_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Relax all inputs batch by batch; write and print the results."""
-    from nvalchemi_ase.cli._table import RESULT_HEADER, format_table
-    from nvalchemi_ase.cli.batching import plan_batches
+    """Relax all inputs through a refilled working batch; write and print results."""
+    from ase.filters import FrechetCellFilter
+
+    from nvalchemi_ase.cli.batching import labelled_atoms, scan_inputs
     from nvalchemi_ase.cli.common import (
+        CommandError,
         build_calculator,
         expand_inputs,
-        read_paths,
+        result_properties,
         say,
+        show_progress,
     )
-    from nvalchemi_ase.cli.outputs import FailureLog, OutputFiles
-    from nvalchemi_ase.cli.runs import RunState
+    from nvalchemi_ase.cli.outputs import OutputFiles
+    from nvalchemi_ase.cli.runs import RunState, report_failure, resumed
+    from nvalchemi_ase.runners import irelax
 
+    if args.cell and args.optimizer not in CELL_OPTIMIZERS:
+        raise CommandError(
+            f"--cell needs --optimizer {' or '.join(CELL_OPTIMIZERS)} (nvalchemi's "
+            f"variable-cell engines); {args.optimizer} moves atoms only"
+        )
     inputs = expand_inputs(args.files)
-    outputs = OutputFiles(inputs, overwrite=args.overwrite)
+    outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     output = Path(args.output)
-    staged = outputs.claim(output)  # before any work
-    failures = FailureLog(
-        outputs,
-        output.with_name(f"{output.stem}.failed.extxyz"),
-        output.with_name(f"{output.stem}.failures.csv"),
-    )
+    files = _Files(outputs, output, plot=args.plot)  # before any work
     calc = build_calculator(args)  # configuration errors next, before reading
-    sources = read_paths(inputs)
-    trajectories = _claim_trajectories(args, outputs, len(sources))
-    state = RunState(outputs, plan_batches(args, calc, sources))
-    plots = _claim_plots(args, outputs, output, len(state.plan.chunks))
+    scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
+    trajectory = _claim_trajectories(args, outputs, len(scanned))
+    done = resumed(args, files.staged, files.failed, scanned)
+    state = RunState(outputs, scanned, done=done)
     args.run_state = state
-    staged.parent.mkdir(parents=True, exist_ok=True)
-    rows: list[tuple[str, ...]] = []
-    converged = 0
-    for chunk in state.plan.chunks:
-        with state.batch(chunk):
-            chunk_rows, chunk_converged = _relax_chunk(
-                args, calc, chunk, state, trajectories, staged, failures, plots
-            )
-        rows.extend(chunk_rows)
-        converged += chunk_converged
+    series: dict[int, Any] | None = {} if args.plot else None
+    with state.running():
+        for _, atoms in irelax(
+            labelled_atoms(inputs),
+            calc,
+            optimizer=args.optimizer,
+            fmax=args.fmax,
+            steps=args.steps,
+            cell_filter=FrechetCellFilter if args.cell else None,
+            max_atoms=args.max_atoms,
+            max_structures=scanned.budget.max_structures,
+            properties=result_properties(calc),
+            output=files.staged,
+            failures=files.failed,
+            resume=args.resume,
+            trajectory=trajectory,
+            series=series,
+            progress=show_progress(args),
+        ):
+            state.done += 1
+            if atoms.info["failure"] is not None:
+                report_failure(args.command, atoms, files.failed_final)
+    failed = files.finish(series, scanned.labels, args.optimizer)
     outputs.commit()
-    say(args, format_table((*RESULT_HEADER, "converged"), rows))
-    failed = (
-        f"; {failures.count} failed (see {failures.structures}, {failures.table})"
-        if failures.count
+    converged = _summary(args, output, files.failed_final)
+    note = (
+        f"; {failed} failed (see {files.failed_final}, {files.table_final})"
+        if failed
         else ""
     )
     say(
         args,
-        f"{converged}/{len(sources)} converged to fmax {args.fmax} eV/Å{failed}; "
+        f"{converged}/{len(scanned)} converged to fmax {args.fmax} eV/Å{note}; "
         f"wrote {output}",
     )
-    return 1 if failures.count else 0
+    return 1 if failed else 0
+
+
+class _Files:
+    """The staged outputs of a relaxation (claimed before any work)."""
+
+    def __init__(self, outputs: OutputFiles, output: Path, *, plot: bool) -> None:
+        self.failed_final = output.with_name(f"{output.stem}.failed.extxyz")
+        self.table_final = output.with_name(f"{output.stem}.failures.csv")
+        self.staged = outputs.claim(output)
+        self.failed = outputs.claim(self.failed_final)
+        self.table = outputs.claim(self.table_final)
+        self.plot = (
+            outputs.claim(output.with_name(f"{output.stem}.png")) if plot else None
+        )
+        self.staged.parent.mkdir(parents=True, exist_ok=True)
+
+    def finish(
+        self, series: dict[int, Any] | None, labels: list[str], optimizer: str
+    ) -> int:
+        """Sort the output into input order, write the table and plot; failures."""
+        from nvalchemi_ase.cli.outputs import write_failure_table
+        from nvalchemi_ase.runners import sort_output
+
+        if self.staged.exists():
+            sort_output(self.staged)
+        if self.plot is not None and series:
+            _plot(series, labels, self.plot, optimizer)
+        return write_failure_table(self.failed, self.table)
 
 
 def _claim_trajectories(
     args: argparse.Namespace, outputs: OutputFiles, count: int
-) -> list[Path] | None:
-    """Staged trajectory paths, one per input structure, or None."""
+) -> str | None:
+    """Claim one trajectory per input structure; the runner's staged template."""
+    from nvalchemi_ase.cli.outputs import partial_name
+
     if not args.trajectories:
         return None
     folder = Path(args.trajectories)
-    paths = [outputs.claim(folder / f"{index:05d}.traj") for index in range(count)]
+    for index in range(count):
+        outputs.claim(folder / f"{index:05d}.traj")
     folder.mkdir(parents=True, exist_ok=True)
-    return paths
+    return str(partial_name(folder / "{i:05d}.traj"))
 
 
-def _claim_plots(
-    args: argparse.Namespace, outputs: OutputFiles, output: Path, chunks: int
-) -> list[Path] | None:
-    """Staged PNG paths, one per batch (``STEM.png``, ``STEM_1.png``, ...), or None."""
-    if not args.plot:
-        return None
-    return [
-        outputs.claim(output.with_name(f"{output.stem}{'' if k == 0 else f'_{k}'}.png"))
-        for k in range(chunks)
-    ]
+def _plot(
+    series: dict[int, Any], labels: list[str], path: Path, optimizer: str
+) -> None:
+    """Energy and fmax of every structure relaxed, against its own step."""
+    import numpy as np
 
+    from nvalchemi_ase import plotting
 
-def _relax_chunk(
-    args: argparse.Namespace,
-    calc: Any,
-    chunk: Chunk,
-    state: RunState,
-    trajectories: list[Path] | None,
-    staged: Path,
-    failures: FailureLog,
-    plots: list[Path] | None,
-) -> tuple[list[tuple[str, ...]], int]:
-    """Relax one batch; write its results and failures; return rows and converged."""
-    from ase.filters import FrechetCellFilter
+    indices = sorted(series)
+    length = max(len(series[i]["fmax"]) for i in indices)
 
-    from nvalchemi_ase.cli.common import show_progress
-    from nvalchemi_ase.cli.runs import failed_structures, quiet_failure_warnings
-    from nvalchemi_ase.dynamics.recorder import Recorder
-
-    optimizer_class = _optimizer_class(args.optimizer)
-    images = [source.atoms.copy() for _, source in chunk.items]
-    for atoms in images:
-        atoms.calc = calc
-    targets = [FrechetCellFilter(atoms) for atoms in images] if args.cell else images
-    opt = optimizer_class(
-        targets,
-        logfile=None,
-        trajectory=None
-        if trajectories is None
-        else [trajectories[index] for index, _ in chunk.items],
-        progress=show_progress(args),
-    )
-    state.dynamics = opt
-    recorder = Recorder(opt) if plots is not None else None
-    try:
-        with quiet_failure_warnings():
-            opt.run(fmax=args.fmax, steps=args.steps)
-    finally:
-        opt.close()
-    failed = {f.position: f for f in failed_structures(opt)}
-    rows = _write_relaxed(
-        args, calc, chunk, images, opt.converged_at_step, failed, staged
-    )
-    for position, failure in failed.items():
-        rows[position] = _record_failure(args, chunk, images, failure, failures)
-    if recorder is not None and plots is not None:
-        recorder.plot(
-            plots[chunk.number - 1],
-            title=f"{args.optimizer} relaxation ({len(images)} structures)",
+    def padded(key: str) -> Any:
+        # a structure that finished stays at its final value, as in a batch
+        columns = [series[i][key] for i in indices]
+        return np.stack(
+            [np.pad(c, (0, length - len(c)), mode="edge") for c in columns], axis=1
         )
-    converged = sum(row[-1] == "yes" for row in rows)
-    return rows, converged
 
-
-def _optimizer_class(name: str) -> Any:
-    from nvalchemi_ase import optimize
-    from nvalchemi_ase.cli.common import CommandError
-
-    optimizer_class = getattr(optimize, name, None)
-    if optimizer_class is None:
-        raise CommandError(f"--optimizer {name} is not available in this version")
-    return optimizer_class
-
-
-def _write_relaxed(
-    args: argparse.Namespace,
-    calc: Any,
-    chunk: Chunk,
-    images: list[Any],
-    steps: Any,
-    failed: dict[int, StructureOutcome],
-    staged: Path,
-) -> list[tuple[str, ...]]:
-    """Evaluate and append the structures that did not fail; their table rows.
-
-    Rows of failed structures are placeholders (filled by the caller).
-    """
-    from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.io import write
-
-    from nvalchemi_ase.cli._table import result_row
-
-    keep = [k for k in range(len(images)) if k not in failed]
-    rows: list[tuple[str, ...]] = [()] * len(images)
-    if not keep:
-        return rows
-    properties = [
-        p for p in ("energy", "forces", "stress") if p in calc.implemented_properties
-    ]
-    kept = [images[k] for k in keep]
-    results = calc.calculate_batch(kept, properties)  # each structure's own results
-    for k, atoms, result in zip(keep, kept, results, strict=True):
-        source, step = chunk.items[k][1], int(steps[k])
-        atoms.calc = SinglePointCalculator(atoms, **result)
-        atoms.info.update(converged=step >= 0, relax_steps=step, source=source.label)
-        rows[k] = (*result_row(source.label, atoms, result), _yes_no(step >= 0))
-    write(staged, kept, format="extxyz", append=True)
-    return rows
-
-
-def _record_failure(
-    args: argparse.Namespace,
-    chunk: Chunk,
-    images: list[Any],
-    failure: StructureOutcome,
-    failures: FailureLog,
-) -> tuple[str, ...]:
-    """Write a failed structure to the failures files and report it; its row."""
-    from nvalchemi_ase.cli.runs import report
-
-    source = chunk.items[failure.position][1]
-    atoms = images[failure.position]
-    failures.record(source, atoms, failure.step, failure.reason)
-    report(
-        args.command,
-        f"{source.label} failed at step {failure.step}: {failure.reason}; its last "
-        f"finite state goes to {failures.structures}",
-    )
-    return (
-        source.label,
-        atoms.get_chemical_formula(),
-        str(len(atoms)),
-        *(("-",) * 4),
-        "FAILED",
+    arrays = {
+        "step": np.arange(length),
+        "epot_per_atom": padded("epot_per_atom"),
+        "fmax": padded("fmax"),
+    }
+    names = [labels[i] for i in indices]
+    plotting.plot_relaxation(
+        arrays,
+        path,
+        title=f"{optimizer} relaxation ({len(indices)} structures)",
+        labels=names,
     )
 
 
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "NO"
+def _summary(args: argparse.Namespace, output: Path, failed: Path) -> int:
+    """Print the table of every structure (input order); return how many converged."""
+    from ase.io import iread
+
+    from nvalchemi_ase.cli._table import RESULT_HEADER, format_table, result_row
+    from nvalchemi_ase.cli.common import say
+
+    if getattr(args, "quiet", False):
+        return 0  # nothing is printed
+    rows: dict[int, tuple[str, ...]] = {}
+    for atoms in iread(output, index=":") if output.exists() else []:
+        converged = bool(atoms.info["converged"])
+        result = atoms.calc.results
+        rows[int(atoms.info["index"])] = (
+            *result_row(str(atoms.info["source"]), atoms, result),
+            "yes" if converged else "NO",
+        )
+    converged_count = sum(row[-1] == "yes" for row in rows.values())
+    if failed.exists():
+        for atoms in iread(failed, index=":"):
+            rows[int(atoms.info["index"])] = (
+                str(atoms.info["source"]),
+                atoms.get_chemical_formula(),
+                str(len(atoms)),
+                *(("-",) * 4),
+                "FAILED",
+            )
+    say(
+        args,
+        format_table((*RESULT_HEADER, "converged"), [rows[k] for k in sorted(rows)]),
+    )
+    return converged_count

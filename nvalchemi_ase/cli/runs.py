@@ -1,37 +1,34 @@
-"""One command run, batch by batch: progress, errors naming frames, failures.
+"""One command run over the runners: progress, errors naming frames, Ctrl-C.
 
-:class:`RunState` knows the batch and step a run has reached and where its
+:class:`RunState` knows how many structures a run has finished and where its
 results so far are, so that Ctrl-C, an out-of-memory error or any other error
-in a batch becomes one line naming the input frames (``file@frame``) instead
-of positions inside the batch.
+in a working batch becomes one line naming the input frames (``file@frame``,
+from the error's ``input_indices``, see :mod:`nvalchemi_ase.runners`) instead
+of positions inside the batch, and says how to continue (``--resume``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 import sys
-import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from nvalchemi_ase.cli.batching import (
-    BatchPlan,
-    Chunk,
-    is_out_of_memory,
-    out_of_memory_message,
-)
+from nvalchemi_ase.cli.batching import Inputs, is_out_of_memory, out_of_memory_message
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
 from nvalchemi_ase.cli.outputs import OutputFiles
 
 __all__ = [
+    "INTERRUPTED_STATUS",
     "RunInterruptedError",
     "RunState",
-    "StructureOutcome",
-    "failed_structures",
-    "quiet_failure_warnings",
     "report",
+    "report_failure",
+    "resumed",
 ]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
@@ -52,55 +49,36 @@ class RunState:
     ----------
     outputs : OutputFiles
         The run's outputs (staged while it runs).
-    plan : BatchPlan
-        Its batches.
-    chunk : Chunk or None
-        The batch being computed.
-    dynamics : object or None
-        The dynamics object of that batch (its ``nsteps`` is the step reached).
+    inputs : Inputs
+        Labels and sizes of the input structures.
     done : int
-        Structures of earlier batches finished.
+        Structures finished, by this run or (with ``--resume``) an earlier one.
     """
 
     outputs: OutputFiles
-    plan: BatchPlan
-    chunk: Chunk | None = None
-    dynamics: Any = None
+    inputs: Inputs
     done: int = 0
-
-    def progress(self) -> str:
-        """E.g. ``"in batch 2/3 (in.xyz@4 to in.xyz@7, ...) at step 17"``."""
-        if self.chunk is None:
-            return "before the first batch" if not self.done else "between batches"
-        text = f"in {self.chunk.describe()}"
-        steps = getattr(self.dynamics, "nsteps", None)
-        if steps is not None:
-            text += f" at step {steps}"
-        return text
 
     def interrupted(self) -> RunInterruptedError:
         """Return the one-line report of a Ctrl-C."""
         return RunInterruptedError(
-            f"interrupted {self.progress()}; {self.done} structures finished, "
-            f"{self.outputs.where()}"
+            f"interrupted; {self.done} of {len(self.inputs)} structures finished, "
+            f"{self.outputs.where()}; rerun the same command with --resume to "
+            "continue"
         )
 
     @contextlib.contextmanager
-    def batch(self, chunk: Chunk) -> Iterator[None]:
-        """Run one batch; errors in it name the batch and its input frames.
-
-        Parameters
-        ----------
-        chunk : Chunk
-            The batch.
+    def running(self) -> Iterator[None]:
+        """Run the structures; errors name the working batch and its input frames.
 
         Raises
         ------
+        RunInterruptedError
+            For Ctrl-C.
         CommandError
             For an out-of-memory error (with a ``--max-atoms`` to use) or any
-            user-facing error of the batch (naming ``file@frame``).
+            user-facing error of a batch (naming ``file@frame``).
         """
-        self.chunk, self.dynamics = chunk, None
         try:
             yield
         except KeyboardInterrupt:
@@ -108,96 +86,95 @@ class RunState:
         except CommandError:
             raise
         except Exception as error:
+            indices = getattr(error, "input_indices", None)
+            where = self.outputs.where()
             if is_out_of_memory(error):
                 raise CommandError(
-                    out_of_memory_message(chunk, self.plan, error, self.outputs.where())
+                    out_of_memory_message(self.inputs, indices, error, where)
                 ) from error
             if not isinstance(error, USER_ERRORS):
                 raise
+            if not indices:  # not an error of a working batch (e.g. writing)
+                raise CommandError(f"{error}; {where}") from error
+            text = _name_frames(str(error), self.inputs, indices)
             raise CommandError(
-                f"{_blame(error, chunk)}: {_name_frames(str(error), chunk)}; "
-                f"{self.outputs.where()}"
+                f"{_blame(error, self.inputs, indices)}: {text}; {where}"
             ) from error
-        self.done += len(chunk.items)
-        self.chunk, self.dynamics = None, None
 
 
-def _blame(error: BaseException, chunk: Chunk) -> str:
+def _blame(error: BaseException, inputs: Inputs, indices: Sequence[int]) -> str:
     """Name the frame an error is about (``error.index``), else the batch."""
     index = getattr(error, "index", None)
-    if isinstance(index, int) and 0 <= index < len(chunk.items):
-        return f"{chunk.items[index][1].label} ({chunk.describe()})"
-    return chunk.describe()
+    if isinstance(index, int) and 0 <= index < len(indices):
+        return f"{inputs.labels[indices[index]]} (in {inputs.describe(indices)})"
+    return f"in {inputs.describe(indices)}"
 
 
-def _name_frames(text: str, chunk: Chunk) -> str:
+def _name_frames(text: str, inputs: Inputs, indices: Sequence[int]) -> str:
     """Replace ``images[i]`` and ``graph i`` (batch positions) by ``file@frame``."""
 
     def label(match: re.Match[str]) -> str:
         position = int(match.group(1))
-        if 0 <= position < len(chunk.items):
-            return chunk.items[position][1].label
+        if 0 <= position < len(indices):
+            return inputs.labels[indices[position]]
         return match.group(0)
 
     text = re.sub(r"images\[(\d+)\]", label, text)
     return re.sub(r"\bgraph (\d+)\b", label, text)
 
 
-# -- failed structures ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StructureOutcome:
-    """Why one structure of a batch stopped.
-
-    Attributes
-    ----------
-    position : int
-        Its position in the batch.
-    step : int
-        The step at which it failed (0: the initial evaluation).
-    reason : str
-        What went wrong.
-    """
-
-    position: int
-    step: int
-    reason: str
-
-
-def failed_structures(dynamics: Any) -> list[StructureOutcome]:
-    """Return the structures a batched dynamics object isolated as failed.
-
-    Parameters
-    ----------
-    dynamics : BatchedDynamics
-        After its run; reads ``failures`` (index, step, reason).
-
-    Returns
-    -------
-    list of StructureOutcome
-        By position; empty when nothing failed.
-    """
-    outcomes = [
-        StructureOutcome(int(f.index), int(f.step), str(f.reason))
-        for f in dynamics.failures
-    ]
-    return sorted(outcomes, key=lambda outcome: outcome.position)
-
-
-@contextlib.contextmanager
-def quiet_failure_warnings() -> Iterator[None]:
-    """Silence the dynamics' own per-failure warnings (they name batch positions).
-
-    The CLI reports each failure itself, naming ``file@frame``.
-    """
-    from nvalchemi_ase.dynamics.failures import StructureFailedWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", StructureFailedWarning)
-        yield
-
-
 def report(command: str, text: str) -> None:
     """Print one line to standard error (failures are shown even with --quiet)."""
     print(f"nvalchemi-ase {command}: {text}", file=sys.stderr)  # noqa: T201
+
+
+def report_failure(command: str, atoms: Any, failures: Path) -> None:
+    """Report one failed structure of a runner (``info`` source, steps, failure)."""
+    report(
+        command,
+        f"{atoms.info.get('source', atoms.info['index'])} failed at step "
+        f"{atoms.info['steps']}: {atoms.info['failure']}; its last finite state "
+        f"goes to {failures}",
+    )
+
+
+def resumed(
+    args: argparse.Namespace, output: Path, failures: Path, inputs: Inputs
+) -> int:
+    """Count what an interrupted run finished (with ``--resume``), after checking it.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        ``resume``.
+    output, failures : pathlib.Path
+        The staged results and failures files.
+    inputs : Inputs
+        The labels of this run's inputs.
+
+    Returns
+    -------
+    int
+        Structures already finished (0 without ``--resume``).
+
+    Raises
+    ------
+    CommandError
+        If a finished structure is not the input at its position now (the
+        inputs changed since the interrupted run).
+    """
+    from nvalchemi_ase.runners import finished_indices
+
+    if not args.resume:
+        return 0
+    done = finished_indices(output, failures)
+    for index, source in sorted(done.items()):
+        expected = inputs.labels[index] if index < len(inputs) else "nothing"
+        if str(source) != expected:
+            raise CommandError(
+                f"--resume: {output} holds {source} as structure {index}, but the "
+                f"inputs give {expected} there; resume with the inputs of the "
+                "interrupted run, or start again with --overwrite and without "
+                "--resume"
+            )
+    return len(done)

@@ -96,7 +96,7 @@ class Recorder:
         if self.kind == "optimization":
             self._append(
                 step=dyn.nsteps,
-                epot_per_atom=dyn._energy_host / self._natoms,  # type: ignore[attr-defined]
+                epot_per_atom=dyn.energy_per_structure / self._natoms,  # type: ignore[attr-defined]
                 fmax=dyn.fmax_per_structure,  # type: ignore[attr-defined]
             )
             return

@@ -75,19 +75,19 @@ class TrajectorySet:
         """Paths of the per-structure files (None for open Trajectory objects)."""
         return [t if isinstance(t, Path) else None for t in self._targets]
 
-    def is_empty(self) -> bool:
-        """Whether no target holds a frame yet (ASE writes frame 0 only then)."""
+    def empty_mask(self) -> npt.NDArray[np.bool_]:
+        """Which targets hold no frame yet, (B,): ASE writes frame 0 only into those."""
         from ase.io.trajectory import Trajectory
 
-        for target in self._targets:
+        empty = np.ones(len(self._targets), dtype=bool)
+        for index, target in enumerate(self._targets):
             if isinstance(target, Path):
                 if target.exists() and target.stat().st_size > 0:
                     with Trajectory(target, "r") as reader:
-                        if len(reader) > 0:
-                            return False
-            elif len(target) > 0:
-                return False
-        return True
+                        empty[index] = len(reader) == 0
+            else:
+                empty[index] = len(target) == 0
+        return empty
 
     def write(self, images: Sequence[Atoms], active: npt.NDArray[np.bool_]) -> None:
         """Append the current frame of every active structure.

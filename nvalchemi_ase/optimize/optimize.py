@@ -168,6 +168,11 @@ class BatchedOptimizer(BatchedDynamics):
         """Latest largest force per structure, eV/Å, shape (B,) (cell included)."""
         return self._fmax_host.copy()
 
+    @property
+    def energy_per_structure(self) -> npt.NDArray[np.float64]:
+        """Latest potential energy per structure, eV, shape (B,)."""
+        return self._energy_host.copy()
+
     def todict(self) -> dict[str, Any]:
         """Describe the run as ASE's ``Optimizer.todict`` does."""
         description: dict[str, Any] = {
@@ -369,9 +374,18 @@ class BatchedOptimizer(BatchedDynamics):
             if self.nsteps == 0:
                 self._moving[:] = True
                 self.log()
-                if not self.trajectories or self.trajectories.is_empty():
+                # ASE writes the initial frame only into an empty trajectory
+                # (no duplicate on a restart); here each structure's own file
+                fresh = (
+                    self.trajectories.empty_mask()
+                    if self.trajectories
+                    else self._moving.copy()
+                )
+                if fresh.any():
+                    self._moving = fresh
                     self._sync_if(sync_every_step or self._observers_due(0))
                     self.call_observers()
+                    self._moving = np.ones(len(self.images), dtype=bool)
             self._sync_if(sync_every_step)
             yield self.converged()
             while not done and self.nsteps < self.max_steps:

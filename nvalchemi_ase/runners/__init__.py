@@ -1,0 +1,123 @@
+"""High-throughput runs: many structures through a bounded, refilled working batch.
+
+:func:`irelax` (and :func:`relax` over it) relaxes any iterable of ``Atoms`` —
+a list, ``ase.io.iread(...)``, a generator; never materialised — through a
+*working batch* whose size is bounded by an atom (and edge) budget. Each
+structure that finishes (converged, step limit, or failed) leaves the batch,
+is yielded (and, with ``output=``, appended to an extxyz file at once), and the
+next structures are admitted. :func:`isingle_points` (:func:`single_points`)
+evaluates in consecutive chunks within the same budget, one
+``calculate_batch`` each; :func:`imd` (:func:`md`) runs fixed-length MD in
+consecutive chunks within it.
+
+Design: engines rebuilt per refill, state carried over
+------------------------------------------------------
+nvalchemi's own in-flight machinery (``BaseDynamics(sampler=...,
+refill_frequency=...)``, ``refill_check``) was read and not used directly:
+
+* ``refill_check`` builds the admitted structures with
+  ``Batch.from_data_list(AtomicData...)``, which refuses mixed periodicity and
+  cells with ``det <= 0`` and drops what :mod:`nvalchemi_ase.convert` carries
+  (cell padding of molecules and slabs, frozen atoms, unit optimizer masses);
+* everything this package keeps per structure next to the engine — the
+  :class:`~nvalchemi_ase.dynamics.failures.FailureGuard` flags and snapshots,
+  the neighbour-list hooks' reference positions and sizes, the optimizer's
+  convergence arrays, the ``Atoms`` written back — is sized on the first batch
+  and would have to be resized in step with it;
+* its samplers need a sized, indexable dataset, not a stream.
+
+What *is* nvalchemi's is the per-structure engine state: at each refill the
+old engine's ``_sync_state_to_batch(remaining, n_new, new_batch)`` — the very
+method ``refill_check`` calls — keeps the survivors' rows (FIRE's ``dt``,
+``alpha`` and step counters, L-BFGS history, this package's BFGS Hessians,
+widened if needed) and appends ``_make_new_state`` rows for the admitted
+structures, and that state is handed to a freshly built optimizer of this
+package (:func:`nvalchemi_ase._compat.carry_engine_state`). The survivors'
+velocities (FIRE, FIRE2, MDMin) are copied over too. So a refill is: write
+the batch back into the working ``Atoms``, build a new
+:class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer` over survivors +
+admitted structures (failure guard included), carry the state, prime (one
+model evaluation: survivors get the forces they already had) and go on. No
+structure's path depends on what else is in the batch: every engine works per
+structure, convergence and step limits are per structure, and the state a
+structure's next step reads is its own. The cost is one extra model
+evaluation and one batch build per refill, so refills are batched: one
+happens when a structure reaches its step limit (it must stop moving), when
+every structure in the batch has finished, or when finished structures
+(which stay frozen in the batch until then, as in a plain batched run) hold
+:data:`_REFILL_FRACTION` of the batch's atoms and the next queued structure
+fits (or the queue is empty, to shrink the batch).
+
+With a cell filter (``cell_filter=FrechetCellFilter``) refills wait until
+every structure of the working batch has finished: a variable-cell optimizer
+holds each structure rotated to a lower-triangular cell and its cell degrees
+of freedom relative to the cell it started from, so the state of a survivor
+would not carry over into a rebuilt optimizer. Structures admitted together
+have the same step limit, so none has to be stopped early.
+
+Step limits are per structure (``steps`` of its own), as if it ran alone.
+Admission is in input order; a structure that alone exceeds the budget, that
+:func:`~nvalchemi_ase.convert.check_images` rejects for the model, or that has
+a constraint nvalchemi cannot honour is a per-structure failure with its
+reason, never a crash. An error that does stop a run (out of memory, an error
+in the model) carries ``error.input_indices``: the input indices of the
+structures in the working batch, in batch order (graph ``i`` of the batch, the
+``images[i]`` of a message, is input ``error.input_indices[i]``).
+
+Budget. With neither ``max_atoms`` nor ``max_edges`` the budget is the
+model's memory estimate (:func:`~nvalchemi_ase.models.memory.memory_estimate`)
+against :data:`~nvalchemi_ase.models.memory.SAFETY_FRACTION` of
+:func:`~nvalchemi_ase.models.memory.available_memory`, as the command line
+does; with either, those counts (edges: ordered pairs within the model's
+cutoff, :func:`~nvalchemi_ase.models.memory.count_edges`). ``max_structures``
+caps the number of structures in the batch in either case.
+
+Modules: :mod:`~nvalchemi_ase.runners.relaxation` (the working batch of
+:func:`irelax`), :mod:`~nvalchemi_ase.runners.chunks` (single points and MD),
+:mod:`~nvalchemi_ase.runners.budget`, :mod:`~nvalchemi_ase.runners.files`
+(streamed output, resume, reading back); ``_common`` holds what they share.
+
+Streaming output and resume. With ``output=PATH`` each finished structure is
+appended to ``PATH`` (extxyz, ``info["index"]`` = input index; finish order
+for relaxations, input order for single points and MD) and flushed; failures
+go to ``failures=`` (default :func:`failed_path`, ``info["failure"]`` holds
+the reason). ``resume=True`` continues an interrupted run: every index already
+in either file is kept and not computed again (a last frame cut off mid-write
+is cut from the file first), so the run ends with the content an
+uninterrupted one would have written (relaxations in another order; see
+:func:`read_results` and :func:`sort_output`). Single points and MD evaluate
+a chunk again whole when only part of it was written, and write only the
+missing structures: the chunks, and so every number, are those of the
+uninterrupted run (for MD with a seeded thermostat too, as long as the
+budget is the same). Without ``resume`` an existing, non-empty output is
+refused.
+"""
+
+from __future__ import annotations
+
+from nvalchemi_ase.runners._common import PROPERTIES
+from nvalchemi_ase.runners.budget import Budget
+from nvalchemi_ase.runners.chunks import imd, isingle_points, md, single_points
+from nvalchemi_ase.runners.files import (
+    failed_path,
+    finished_indices,
+    read_results,
+    sort_output,
+)
+from nvalchemi_ase.runners.relaxation import OPTIMIZERS, irelax, relax
+
+__all__ = [
+    "OPTIMIZERS",
+    "PROPERTIES",
+    "Budget",
+    "failed_path",
+    "finished_indices",
+    "imd",
+    "irelax",
+    "isingle_points",
+    "md",
+    "read_results",
+    "relax",
+    "single_points",
+    "sort_output",
+]

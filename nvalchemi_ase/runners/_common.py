@@ -1,0 +1,216 @@
+"""What the runners share: slots, admission checks, results, helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Sized
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from nvalchemi_ase.runners.files import read_results
+
+if TYPE_CHECKING:
+    from ase import Atoms
+
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+
+__all__ = [
+    "NO_LIMIT",
+    "PROPERTIES",
+    "Admission",
+    "Slot",
+    "calculator_for",
+    "checked_properties",
+    "failed_atoms",
+    "final_values",
+    "in_input_order",
+    "naming_inputs",
+    "progress_bar",
+    "quiet_failures",
+    "result_atoms",
+]
+
+
+#: Result properties the runners can write (``stress`` for cells of rank 3).
+PROPERTIES = ("energy", "forces", "stress")
+
+
+def in_input_order(
+    results: Iterator[tuple[int, Atoms]], kwargs: dict[str, Any]
+) -> list[Atoms]:
+    """Return the yielded results, with ``resume`` those read back too, by index."""
+    found = dict(results)
+    if kwargs.get("resume") and kwargs.get("output") is not None:
+        failures = kwargs.get("failures") or True
+        for atoms in read_results(kwargs["output"], failures=failures):
+            found.setdefault(int(atoms.info["index"]), atoms)
+    return [found[index] for index in sorted(found)]
+
+
+@dataclass
+class Slot:
+    """One structure in (or about to enter) the working batch."""
+
+    index: int
+    atoms: Atoms  # the runner's own working copy
+    cost: npt.NDArray[np.float64]
+    steps: int = 0
+    trajectory: Any = None  # its open ase Trajectory, while in flight
+    series: list[tuple[float, float]] | None = None  # (E/atom, fmax) per step
+
+
+class Admission:
+    """Why a structure cannot be run at all (checked once, at admission), or None."""
+
+    def __init__(self, model: Any, skin: float | None) -> None:
+        from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
+
+        self._model = model
+        self._skin = DEFAULT_SKIN if skin is None else float(skin)
+
+    def __call__(self, atoms: Atoms) -> str | None:
+        from nvalchemi_ase.convert import StructureError, check_images
+        from nvalchemi_ase.dynamics.images import check_constraints
+
+        try:
+            check_images([atoms], model=self._model, skin=self._skin)
+            check_constraints([atoms])
+        except StructureError as error:
+            return f"{error.field}: {str(error).split(': ', 1)[1]}"
+        except (ValueError, TypeError) as error:
+            return str(error).replace("images[0] ", "it ")
+        return None
+
+
+#: Step limit passed to the optimizer: the runner enforces per-structure limits.
+NO_LIMIT = 1 << 62
+
+
+def final_values(
+    calc: NVAlchemiCalculator,
+    images: list[Atoms],
+    failed: npt.NDArray[np.bool_],
+    *,
+    stress: bool,
+) -> list[dict[str, Any]]:
+    """Energy (eV), forces [N, 3] (eV/Å) and optionally stress of synced ``Atoms``.
+
+    The dynamics object has written its state and results into ``images``
+    (in the user's orientation, also under a cell filter). Stress (Voigt,
+    eV/Å³, cells of rank 3) that the last step did not compute is evaluated
+    in one batched call for the structures that did not fail.
+    """
+    values = []
+    for atoms in images:
+        results = atoms.calc.results
+        entry = {
+            "energy": float(results["energy"]),
+            "forces": np.array(results["forces"], dtype=np.float64),
+        }
+        if stress and "stress" in results:
+            entry["stress"] = np.array(results["stress"], dtype=np.float64)
+        values.append(entry)
+    if stress:
+        missing = [
+            k
+            for k, atoms in enumerate(images)
+            if not failed[k] and atoms.cell.rank == 3 and "stress" not in values[k]
+        ]
+        if missing:
+            evaluated = calc.calculate_batch([images[k] for k in missing], ["stress"])
+            for k, result in zip(missing, evaluated, strict=True):
+                values[k]["stress"] = np.asarray(result["stress"], dtype=np.float64)
+    return values
+
+
+def result_atoms(slot: Slot, values: dict[str, Any], *, converged: bool) -> Atoms:
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms = slot.atoms.copy()
+    atoms.calc = SinglePointCalculator(atoms, **values)
+    atoms.info.update(
+        index=slot.index, converged=converged, steps=slot.steps, failure=None
+    )
+    return atoms
+
+
+def failed_atoms(slot: Slot, reason: str, results: dict[str, Any] | None) -> Atoms:
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    atoms = slot.atoms.copy()
+    if results is not None and all(np.isfinite(v).all() for v in results.values()):
+        atoms.calc = SinglePointCalculator(atoms, **results)
+    atoms.info.update(
+        index=slot.index, converged=False, steps=slot.steps, failure=reason
+    )
+    return atoms
+
+
+def calculator_for(model: Any, device: Any, dtype: Any) -> NVAlchemiCalculator:
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+
+    if isinstance(model, NVAlchemiCalculator):
+        if device is not None or dtype is not None:
+            raise TypeError(
+                "device/dtype come from the calculator; pass a model name to set them"
+            )
+        return model
+    return NVAlchemiCalculator(model, device=device, dtype=dtype)
+
+
+def checked_properties(
+    properties: Iterable[str],
+    calc: NVAlchemiCalculator,
+    allowed: Iterable[str] | None = PROPERTIES,
+) -> list[str]:
+    """Return the properties asked for, checked against ``allowed`` and the model."""
+    wanted = list(dict.fromkeys(properties))
+    unknown = [] if allowed is None else sorted(set(wanted) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"properties must be among {', '.join(PROPERTIES)}, got {unknown}"
+        )
+    missing = sorted(set(wanted) - set(calc.implemented_properties))
+    if missing:
+        raise ValueError(
+            f"{type(calc.model).__name__} does not compute {missing}; it "
+            f"provides {calc.implemented_properties}"
+        )
+    return wanted
+
+
+@contextlib.contextmanager
+def quiet_failures() -> Iterator[None]:
+    """Failures are reported per structure in the results, not warned about."""
+    from nvalchemi_ase.dynamics.failures import StructureFailedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StructureFailedWarning)
+        yield
+
+
+@contextlib.contextmanager
+def naming_inputs(indices: list[int]) -> Iterator[None]:
+    """Give an error of the working batch ``input_indices`` (see module docstring)."""
+    try:
+        yield
+    except Exception as error:
+        if not hasattr(error, "input_indices"):
+            with contextlib.suppress(AttributeError, TypeError):
+                error.input_indices = tuple(indices)  # type: ignore[attr-defined]
+        raise
+
+
+def progress_bar(
+    progress: bool | None, what: str, structures: Iterable[Atoms], skipped: int
+) -> Any:
+    from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
+
+    if not progress_enabled(progress):
+        return None
+    total = len(structures) - skipped if isinstance(structures, Sized) else NO_LIMIT
+    return ProgressBar(what, total, unit="structure")

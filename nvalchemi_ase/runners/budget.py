@@ -1,0 +1,140 @@
+"""How much a working batch may hold: atoms, edges, estimated memory, structures."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from ase import Atoms
+
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.models.memory import MemoryEstimate
+
+__all__ = ["Budget"]
+
+
+@dataclass
+class Budget:
+    """How much the working batch may hold.
+
+    Attributes
+    ----------
+    max_atoms : int or None
+        Atoms.
+    max_edges : int or None
+        Ordered pairs within ``cutoff``.
+    max_bytes : float or None
+        Bytes of the memory estimate (used when neither count is given).
+    estimate : MemoryEstimate or None
+        The model's estimate (with ``max_bytes``).
+    cutoff : float or None
+        Edge cutoff, Å.
+    max_structures : int or None
+        Structures.
+    available : int or None
+        Free memory when the budget was made, bytes (with ``max_bytes``).
+    """
+
+    max_atoms: int | None = None
+    max_edges: int | None = None
+    max_bytes: float | None = None
+    estimate: MemoryEstimate | None = None
+    cutoff: float | None = None
+    max_structures: int | None = None
+    available: int | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_calculator(
+        cls,
+        calc: NVAlchemiCalculator,
+        max_atoms: int | None,
+        max_edges: int | None,
+        max_structures: int | None = None,
+    ) -> Budget:
+        """Build the budget for ``calc``'s model: the counts given, else memory."""
+        from nvalchemi_ase.models.memory import (
+            SAFETY_FRACTION,
+            available_memory,
+            memory_estimate,
+        )
+
+        for name, value in (
+            ("max_atoms", max_atoms),
+            ("max_edges", max_edges),
+            ("max_structures", max_structures),
+        ):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        estimate = memory_estimate(calc.model, calc.dtype, calc.device)
+        if max_atoms is not None or max_edges is not None:
+            return cls(
+                max_atoms,
+                max_edges,
+                cutoff=estimate.cutoff,
+                max_structures=max_structures,
+            )
+        available = available_memory(calc.device)
+        return cls(
+            max_bytes=SAFETY_FRACTION * available,
+            estimate=estimate,
+            cutoff=estimate.cutoff,
+            max_structures=max_structures,
+            available=available,
+        )
+
+    def cost(self, atoms: Atoms) -> npt.NDArray[np.float64]:
+        """(atoms, edges, bytes, 1) one structure takes; counts only what is limited."""
+        from nvalchemi_ase.models.memory import count_edges
+
+        natoms = float(len(atoms))
+        counted = self.max_edges is not None or (
+            self.estimate is not None and self.estimate.bytes_per_edge > 0
+        )
+        edges = count_edges(atoms, self.cutoff) if counted else 0.0
+        memory = (
+            0.0 if self.estimate is None else self.estimate.bytes_for(len(atoms), edges)
+        )
+        return np.array([natoms, edges, memory, 1.0])
+
+    @property
+    def limits(self) -> npt.NDArray[np.float64]:
+        """(atoms, edges, bytes, structures) limits; inf where unlimited."""
+        return np.array(
+            [
+                math.inf if value is None else float(value)
+                for value in (
+                    self.max_atoms,
+                    self.max_edges,
+                    self.max_bytes,
+                    self.max_structures,
+                )
+            ]
+        )
+
+    def fits(
+        self, used: npt.NDArray[np.float64], cost: npt.NDArray[np.float64]
+    ) -> bool:
+        """Whether ``cost`` fits next to ``used``."""
+        return bool(np.all(used + cost <= self.limits))
+
+    def refusal(self, cost: npt.NDArray[np.float64]) -> str | None:
+        """Why a structure alone does not fit, or None."""
+        from nvalchemi_ase.models.memory import format_bytes
+
+        natoms, edges, memory, _ = cost
+        if self.max_atoms is not None and natoms > self.max_atoms:
+            return f"{natoms:.0f} atoms exceed max_atoms={self.max_atoms}"
+        if self.max_edges is not None and edges > self.max_edges:
+            return f"{edges:.0f} edges exceed max_edges={self.max_edges}"
+        if self.max_bytes is not None and memory > self.max_bytes:
+            return (
+                f"needs about {format_bytes(memory)} by the model's memory estimate; "
+                f"{format_bytes(self.max_bytes)} may be used "
+                f"({format_bytes(self.available or 0)} available)"
+            )
+        return None

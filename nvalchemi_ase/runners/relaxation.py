@@ -1,0 +1,505 @@
+"""Relaxation through a refilled working batch: :func:`irelax`, :func:`relax`.
+
+See :mod:`nvalchemi_ase.runners` for the design (engines rebuilt per refill,
+state carried over) and the refill policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from nvalchemi_ase.runners._common import (
+    NO_LIMIT,
+    Admission,
+    Slot,
+    calculator_for,
+    checked_properties,
+    failed_atoms,
+    final_values,
+    in_input_order,
+    naming_inputs,
+    progress_bar,
+    quiet_failures,
+    result_atoms,
+)
+from nvalchemi_ase.runners.budget import Budget
+from nvalchemi_ase.runners.files import Sink
+
+if TYPE_CHECKING:
+    from ase import Atoms
+
+    from nvalchemi_ase.calculator import NVAlchemiCalculator
+
+__all__ = ["OPTIMIZERS", "irelax", "relax"]
+
+
+#: Optimizer names :func:`irelax` accepts (classes of ``nvalchemi_ase.optimize``).
+OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS", "MDMin")
+
+
+#: Refill once finished structures hold this fraction of the batch's atoms.
+_REFILL_FRACTION = 0.25
+
+
+def irelax(
+    structures: Iterable[Atoms],
+    model: Any,
+    *,
+    optimizer: str | type = "FIRE",
+    fmax: float = 0.05,
+    steps: int = 1000,
+    cell_filter: type | None = None,
+    max_atoms: int | None = None,
+    max_edges: int | None = None,
+    max_structures: int | None = None,
+    properties: Iterable[str] = ("energy", "forces"),
+    output: str | Path | None = None,
+    failures: str | Path | None = None,
+    resume: bool = False,
+    trajectory: str | None = None,
+    series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
+    progress: bool | None = None,
+    **optimizer_kwargs: Any,
+) -> Iterator[tuple[int, Atoms]]:
+    """Relax many structures through a bounded working batch, yielding as each ends.
+
+    Parameters
+    ----------
+    structures : iterable of ase.Atoms
+        Any iterable (list, ``ase.io.iread``, generator); read lazily, one
+        structure ahead of admission. Never modified.
+    model : str, nvalchemi model, or NVAlchemiCalculator
+        A :func:`~nvalchemi_ase.models.load_model` name, a model, or a
+        calculator (its model, device and dtype are used).
+    optimizer : str or class
+        One of :data:`OPTIMIZERS` or one of this package's optimizer classes.
+    fmax : float
+        Convergence threshold on each structure's largest force, eV/Å (cell
+        forces included under a cell filter).
+    steps : int
+        Step limit of each structure (its own steps, counted from admission).
+    cell_filter : class, optional
+        ASE's ``FrechetCellFilter`` or ``UnitCellFilter``: relax the cells too
+        (optimizers that take cell filters: FIRE2, LBFGS). Refills then
+        wait for the whole working batch (see the module docstring).
+    max_atoms, max_edges : int, optional
+        Working-batch limits (atoms; ordered pairs within the model's cutoff).
+        Default: the model's memory estimate within the free memory.
+    max_structures : int, optional
+        Largest number of structures in the working batch.
+    properties : iterable of str
+        Results kept per structure, from :data:`PROPERTIES`: ``energy`` (eV)
+        and ``forces`` (eV/Å) always; ``stress`` (Voigt, eV/Å³, cells of rank
+        3) is evaluated for each structure as it finishes when the optimizer
+        did not compute it.
+    output : str or path, optional
+        extxyz file each finished structure is appended to at once.
+    failures : str or path, optional
+        Where failed structures go (default :func:`failed_path` of ``output``).
+    resume : bool
+        Keep the input indices already in ``output`` (or ``failures``) and
+        relax the others.
+    trajectory : str, optional
+        One ASE trajectory per structure: a path template with ``{i}``, the
+        input index (``"traj/{i:05d}.traj"``). Frames as the optimizer alone
+        would write them (the initial state, then every step until the
+        structure finished); a structure that is resumed starts its file anew.
+    series : dict, optional
+        Filled with ``{index: {"epot_per_atom": (n + 1,) eV, "fmax": (n + 1,)
+        eV/Å}}`` over each structure's own steps 0..n as it finishes (for
+        plots; :func:`nvalchemi_ase.plotting.plot_relaxation`).
+    progress : bool or None
+        Progress bar over structures on standard error; None: only on a terminal.
+    **optimizer_kwargs
+        Passed to the optimizer class (``dt``, ``maxstep``, ``memory``, ...);
+        ``device`` and ``dtype`` build the calculator when ``model`` is not one.
+
+    Yields
+    ------
+    (int, ase.Atoms)
+        Input index and a new ``Atoms``: final positions (and cell), a
+        ``SinglePointCalculator`` with ``energy`` (eV), ``forces`` [N, 3]
+        (eV/Å) and, when asked for, ``stress``; ``info`` ``converged`` (bool),
+        ``steps`` (int: the structure's own steps; for a failure the step at
+        which it failed), ``failure`` (None or the reason) and ``index``.
+    """
+    if not fmax > 0:
+        raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    device = optimizer_kwargs.pop("device", None)
+    dtype = optimizer_kwargs.pop("dtype", None)
+    for reserved in ("logfile", "model", "restart", "append_trajectory"):
+        if reserved in optimizer_kwargs:
+            raise TypeError(f"irelax() does not take {reserved}=")
+    calc = calculator_for(model, device, dtype)
+    wanted = checked_properties(properties, calc)
+    optimizer_class = _optimizer_class(optimizer)
+    budget = Budget.for_calculator(calc, max_atoms, max_edges, max_structures)
+    sink = Sink(output, resume, failures)
+    skin = optimizer_kwargs.get("neighbor_skin")
+    queue = _Queue(structures, sink.done, budget, Admission(calc.model, skin))
+    relaxation = _Runner(
+        calc,
+        optimizer_class,
+        optimizer_kwargs,
+        fmax,
+        steps,
+        budget,
+        cell_filter=cell_filter,
+        stress="stress" in wanted,
+        trajectory=trajectory,
+        series=series,
+    )
+    bar = progress_bar(progress, "relax", structures, skipped=len(sink.done))
+    try:
+        for index, atoms in relaxation.run(queue):
+            sink.write(atoms)
+            if bar is not None:
+                bar.step(f"in flight {relaxation.in_flight}")
+            yield index, atoms
+    finally:
+        relaxation.close()
+        sink.close()
+        if bar is not None:
+            bar.close()
+
+
+def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
+    """Relax many structures (see :func:`irelax`); results in input order.
+
+    Parameters
+    ----------
+    structures : iterable of ase.Atoms
+        The structures (never modified).
+    model : str, nvalchemi model, or NVAlchemiCalculator
+        The model.
+    **kwargs
+        Every keyword of :func:`irelax`.
+
+    Returns
+    -------
+    list of ase.Atoms
+        One per input structure, in input order; with ``resume=True`` those
+        found in ``output`` are read back from it.
+    """
+    return in_input_order(irelax(structures, model, **kwargs), kwargs)
+
+
+class _Queue:
+    """Inputs read lazily, one ahead; skipped and refused ones sorted out."""
+
+    def __init__(
+        self,
+        structures: Iterable[Atoms],
+        skip: set[int],
+        budget: Budget,
+        admission: Admission,
+    ) -> None:
+        self._source = enumerate(structures)
+        self._skip = skip
+        self._budget = budget
+        self._admission = admission
+        self._next: Slot | None = None
+        self.refused: list[tuple[Slot, str]] = []
+        self.exhausted = False
+
+    def peek(self) -> Slot | None:
+        """Return the next admissible structure (refused ones go to ``refused``)."""
+        while self._next is None and not self.exhausted:
+            try:
+                index, atoms = next(self._source)
+            except StopIteration:
+                self.exhausted = True
+                break
+            if index in self._skip:
+                continue
+            working = atoms.copy()
+            slot = Slot(index, working, self._budget.cost(working))
+            reason = self._budget.refusal(slot.cost) or self._admission(working)
+            if reason is not None:
+                self.refused.append((slot, reason))
+                continue
+            self._next = slot
+        return self._next
+
+    def take(self) -> Slot:
+        """Remove and return the structure :meth:`peek` showed."""
+        slot = self.peek()
+        if slot is None:
+            raise IndexError("no structure left")
+        self._next = None
+        return slot
+
+
+class _Runner:
+    """The working batch: admission, steps, finishing, refills."""
+
+    def __init__(
+        self,
+        calc: NVAlchemiCalculator,
+        optimizer_class: type,
+        optimizer_kwargs: dict[str, Any],
+        fmax: float,
+        steps: int,
+        budget: Budget,
+        *,
+        cell_filter: type | None = None,
+        stress: bool = False,
+        trajectory: str | None = None,
+        series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
+    ) -> None:
+        self.calc = calc
+        self.optimizer_class = optimizer_class
+        self.optimizer_kwargs = optimizer_kwargs
+        self.fmax = fmax
+        self.steps = steps
+        self.budget = budget
+        self.cell_filter = cell_filter
+        self.stress = stress
+        self.trajectory = trajectory
+        self.series = series
+        self.slots: list[Slot] = []
+        self.finished = np.zeros(0, dtype=bool)
+        self.opt: Any = None
+        self._run: Generator[bool, None, None] | None = None
+        self._survivors = 0
+        #: Largest number of structures in flight so far.
+        self.peak = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Structures in the working batch still moving."""
+        return int((~self.finished).sum())
+
+    def run(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
+        """Yield ``(index, result)`` for every input, in finish order."""
+        while True:
+            admitted = self._admit(queue)
+            yield from self._refused(queue)
+            survivors = [
+                s for s, d in zip(self.slots, self.finished, strict=True) if not d
+            ]
+            if not survivors and not admitted:
+                return
+            with naming_inputs([slot.index for slot in [*survivors, *admitted]]):
+                self._rebuild(survivors, admitted)
+            yield from self._advance_until_refill(queue)
+
+    def close(self) -> None:
+        """Stop the current optimizer run; close the trajectories in flight."""
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+        for slot, done in zip(self.slots, self.finished, strict=True):
+            if not done and slot.trajectory is not None:
+                slot.trajectory.close()
+                slot.trajectory = None
+
+    # -- admission and rebuild --------------------------------------------------
+
+    def _used(self) -> npt.NDArray[np.float64]:
+        """(atoms, edges, bytes, structures) of the structures still moving."""
+        used = np.zeros(4)
+        for slot, done in zip(self.slots, self.finished, strict=True):
+            if not done:
+                used = used + slot.cost
+        return used
+
+    def _admit(self, queue: _Queue) -> list[Slot]:
+        used = self._used()
+        if self.cell_filter is not None and used.any():
+            return []  # variable cell: the whole batch finishes first
+        admitted: list[Slot] = []
+        while (slot := queue.peek()) is not None and (
+            self.budget.fits(used, slot.cost) or (not admitted and not used.any())
+        ):
+            admitted.append(queue.take())
+            used = used + slot.cost
+        return admitted
+
+    def _refused(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
+        while queue.refused:
+            slot, reason = queue.refused.pop(0)
+            yield slot.index, failed_atoms(slot, reason, results=None)
+
+    def _rebuild(self, survivors: list[Slot], admitted: list[Slot]) -> None:
+        """Build an optimizer over survivors + admitted; carry survivors' state."""
+        from nvalchemi_ase.dynamics.trajectory import expand_template
+
+        previous, keep = (
+            self.opt,
+            [position for position, done in enumerate(self.finished) if not done],
+        )
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+        slots = [*survivors, *admitted]
+        for slot in slots:
+            slot.atoms.calc = self.calc
+        kwargs = dict(self.optimizer_kwargs)
+        if self.trajectory is not None:
+            from ase.io.trajectory import Trajectory
+
+            for slot in admitted:  # a fresh file: the structure starts here
+                path = Path(expand_template(self.trajectory, slot.index, "trajectory"))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                slot.trajectory = Trajectory(path, "w")
+            kwargs["trajectory"] = [slot.trajectory for slot in slots]
+        if self.series is not None:
+            for slot in admitted:
+                slot.series = []
+        images = [
+            slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
+            for slot in slots
+        ]
+        with quiet_failures():
+            opt = self.optimizer_class(images, logfile=None, progress=False, **kwargs)
+        if previous is not None:
+            _carry_state(previous, opt, keep, len(admitted))
+        self.opt, self.slots = opt, slots
+        self._survivors = len(survivors)
+        self.finished = np.zeros(len(slots), dtype=bool)
+        self.peak = max(self.peak, len(slots))
+        self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
+
+    # -- stepping -----------------------------------------------------------------
+
+    def _advance_until_refill(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
+        moving = np.ones(len(self.slots), dtype=bool)
+        first = True
+        while True:
+            with quiet_failures(), naming_inputs([s.index for s in self.slots]):
+                self._step()
+                if first:  # the initial evaluation: step 0 of the admitted only
+                    stepped = np.arange(len(self.slots)) >= self._survivors
+                else:
+                    stepped = moving
+                    for position in np.flatnonzero(moving):
+                        self.slots[position].steps += 1
+                first = False
+                if self.series is not None:
+                    self._record(stepped)
+                converged = self.opt.converged_mask
+                failed = self.opt.failed_mask
+                limit = np.array([slot.steps >= self.steps for slot in self.slots])
+                ended = (converged | failed | limit) & ~self.finished
+                done = (
+                    self._finish(np.flatnonzero(ended), converged, failed)
+                    if ended.any()
+                    else []
+                )
+                moving = ~self.finished
+                refill = self._run is None or self._refill_due(
+                    queue, limit & ~converged
+                )
+            yield from done
+            if refill:
+                return
+
+    def _step(self) -> None:
+        """One optimizer step (the first call: the initial evaluation)."""
+        try:
+            next(self._run)  # type: ignore[arg-type]
+        except StopIteration:
+            self._run = None
+
+    def _record(self, stepped: npt.NDArray[np.bool_]) -> None:
+        """Append this step's energy per atom and fmax of the structures that moved."""
+        energy = self.opt.energy_per_structure
+        fmax = self.opt.fmax_per_structure
+        for position in np.flatnonzero(stepped):
+            slot = self.slots[position]
+            if slot.series is not None:
+                slot.series.append(
+                    (float(energy[position]) / len(slot.atoms), float(fmax[position]))
+                )
+
+    def _refill_due(self, queue: _Queue, at_limit: npt.NDArray[np.bool_]) -> bool:
+        """Whether to rebuild now: see the module docstring's refill policy."""
+        if not self.finished.any():
+            return False
+        if not (~self.finished).any():
+            return True
+        if self.cell_filter is not None:
+            return False  # the batch finishes together (same step limit)
+        if (at_limit & ~self.opt.failed_mask).any():
+            return True
+        sizes = np.array([len(slot.atoms) for slot in self.slots])
+        if sizes[self.finished].sum() < _REFILL_FRACTION * sizes.sum():
+            return False
+        slot = queue.peek()
+        return slot is None or self.budget.fits(self._used(), slot.cost)
+
+    def _finish(
+        self,
+        positions: npt.NDArray[np.intp],
+        converged: npt.NDArray[np.bool_],
+        failed: npt.NDArray[np.bool_],
+    ) -> list[tuple[int, Atoms]]:
+        self.opt.sync_atoms()
+        reasons = {f.index: f.reason for f in self.opt.failures}
+        slots = [self.slots[position] for position in positions]
+        results = final_values(
+            self.calc,
+            [slot.atoms for slot in slots],
+            failed[positions],
+            stress=self.stress,
+        )
+        self.finished[positions] = True
+        done = []
+        for position, slot, result in zip(positions, slots, results, strict=True):
+            if slot.trajectory is not None:
+                slot.trajectory.close()
+                slot.trajectory = None
+            if self.series is not None and slot.series is not None:
+                values = np.array(slot.series, dtype=np.float64).reshape(-1, 2)
+                self.series[slot.index] = {
+                    "epot_per_atom": values[:, 0],
+                    "fmax": values[:, 1],
+                }
+                slot.series = None
+            if failed[position]:
+                atoms = failed_atoms(slot, reasons.get(position, "failed"), result)
+            else:
+                atoms = result_atoms(slot, result, converged=bool(converged[position]))
+            done.append((slot.index, atoms))
+        return done
+
+
+def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
+    """Give ``opt`` the survivors' engine state and velocities from ``previous``."""
+    import torch
+
+    from nvalchemi_ase._compat import carry_engine_state
+
+    remaining = torch.as_tensor(keep, dtype=torch.long, device=previous.batch.device)
+    carry_engine_state(previous.engine, opt.engine, remaining, n_new, opt.batch)
+    if not keep:
+        return
+    pointer = previous.batch.batch_ptr.cpu().numpy()
+    rows = np.concatenate([np.arange(pointer[k], pointer[k + 1]) for k in keep])
+    index = torch.as_tensor(rows, dtype=torch.long, device=previous.batch.device)
+    with torch.no_grad():
+        opt.batch.velocities[: rows.size].copy_(previous.batch.velocities[index])
+
+
+def _optimizer_class(optimizer: str | type) -> type:
+    from nvalchemi_ase import optimize
+
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}"
+            )
+        return getattr(optimize, optimizer)  # type: ignore[no-any-return]
+    if isinstance(optimizer, type) and issubclass(optimizer, optimize.BatchedOptimizer):
+        return optimizer
+    raise TypeError(
+        f"optimizer must be a name or a nvalchemi_ase.optimize class, got {optimizer!r}"
+    )
