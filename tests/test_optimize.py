@@ -157,8 +157,8 @@ def test_cell_filter_refusals(lj_calc64):
     atoms.calc = lj_calc64
     with pytest.raises(ValueError, match="FIRE with a cell filter is not supported"):
         FIRE(FrechetCellFilter(atoms), logfile=None)
-    with pytest.raises(ValueError, match="scalar_pressure"):
-        LBFGS(FrechetCellFilter(atoms, scalar_pressure=0.1), logfile=None)
+    with pytest.raises(ValueError, match="scalar_pressure must be a finite"):
+        LBFGS(FrechetCellFilter(atoms, scalar_pressure=float("nan")), logfile=None)
     with pytest.raises(
         TypeError, match=r"images\[1\] is a Atoms but images\[0\] is a Frechet"
     ):

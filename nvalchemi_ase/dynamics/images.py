@@ -53,10 +53,14 @@ class CellFilterSpec:
     cell_factor : numpy.ndarray, shape (B,)
         ASE's per-structure scaling of the cell gradient (the number of atoms by
         default); the cell part of ``fmax`` is ``|σ V| / cell_factor`` per row.
+    filters : list
+        The filter objects (their options: ``scalar_pressure``,
+        ``hydrostatic_strain``, ``constant_volume``, ``mask``).
     """
 
     kind: str
     cell_factor: Any
+    filters: list[Any]
 
 
 @dataclass
@@ -131,7 +135,8 @@ def resolve_images(
         for item in items
     ]
     atoms = [item.atoms for item in items]
-    return atoms, CellFilterSpec(kind=kind, cell_factor=torch.tensor(factors)), single
+    spec = CellFilterSpec(kind=kind, cell_factor=torch.tensor(factors), filters=items)
+    return atoms, spec, single
 
 
 def _filter_kind(item: Any) -> str | None:
@@ -155,19 +160,11 @@ def _filter_kind(item: Any) -> str | None:
 
 
 def _check_filter_options(index: int, item: Any) -> None:
-    unsupported = {
-        "mask": not bool((item.mask == 1).all()),
-        "hydrostatic_strain": bool(item.hydrostatic_strain),
-        "constant_volume": bool(item.constant_volume),
-        "scalar_pressure": float(item.scalar_pressure) != 0.0,
-    }
-    bad = [name for name, is_set in unsupported.items() if is_set]
-    if bad:
+    pressure = item.scalar_pressure
+    if isinstance(pressure, bool) or not np.isfinite(float(pressure)):
         raise ValueError(
-            f"images[{index}]: {type(item).__name__} option(s) {bad} are not "
-            "supported by nvalchemi's variable-cell optimizers (they relax every "
-            "cell component to zero stress); use the defaults or ASE's own "
-            "optimizers"
+            f"images[{index}]: scalar_pressure must be a finite number, eV/Å³ "
+            f"(e.g. 1.0 * ase.units.GPa), got {pressure!r}"
         )
     if not item.atoms.pbc.all():
         raise ValueError(

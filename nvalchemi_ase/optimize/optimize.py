@@ -18,9 +18,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
+from nvalchemi_ase.optimize.cell_filters import FilterOptions, filter_options
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 __all__ = ["DEFAULT_MAX_STEPS", "BatchedOptimizer"]
@@ -69,6 +71,7 @@ class BatchedOptimizer(BatchedDynamics):
         **kwargs: Any,
     ) -> None:
         self.fmax: float | None = None
+        self._filter_options: FilterOptions | None = None
         super().__init__(
             images,
             logfile=logfile,
@@ -88,6 +91,18 @@ class BatchedOptimizer(BatchedDynamics):
         self._fmax_host = np.full(count, np.inf)
         self._converged_at = np.full(count, -1)
         self._energy_host = np.zeros(count)
+
+    def _builtin_hooks(self, skin: float) -> list[Any]:
+        hooks = super()._builtin_hooks(skin)
+        self._filter_options = None
+        if self.cell_filter is not None:
+            self._filter_options = filter_options(
+                self.cell_filter.filters, self.batch, self._alignment
+            )
+        if self._filter_options is not None:
+            stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+            hooks += self._filter_options.hooks(stages)
+        return hooks
 
     def _initial_batch(self) -> Any:
         batch = super()._initial_batch()
@@ -470,6 +485,8 @@ class BatchedOptimizer(BatchedDynamics):
         """Largest cell-force row, ``|σ V| / cell_factor`` (ASE's filters)."""
         batch = self.batch
         stress = batch.stress.detach()
+        if self._filter_options is not None:  # the stress ASE's filter converges on
+            stress = self._filter_options.effective_stress(stress)
         volume = torch.linalg.det(batch.cell.detach()).abs()
         virial = -volume[:, None, None] * stress
         cell_filter = self.cell_filter
