@@ -122,9 +122,9 @@ def test_relaxed_strains_are_one_batched_run(lj_calc64, monkeypatch):
     runs = []
     original = _common._run_optimizer
 
-    def counting(optimizer_class, calc, derived, selected, *args):
+    def counting(optimizer_class, calc, derived, selected, *args, **kwargs):
         runs.append(len(selected))
-        return original(optimizer_class, calc, derived, selected, *args)
+        return original(optimizer_class, calc, derived, selected, *args, **kwargs)
 
     monkeypatch.setattr(_common, "_run_optimizer", counting)
     results = elastic_constants([_fcc(), _hcp()], lj_calc64, n_strains=4)

@@ -83,9 +83,9 @@ def test_ion_relaxed_eos_matches_ase_relaxations_and_is_one_run(lj_calc64, monke
     runs = []
     original = _common._run_optimizer
 
-    def counting(optimizer_class, calc, derived, selected, *args):
+    def counting(optimizer_class, calc, derived, selected, *args, **kwargs):
         runs.append(len(selected))
-        return original(optimizer_class, calc, derived, selected, *args)
+        return original(optimizer_class, calc, derived, selected, *args, **kwargs)
 
     monkeypatch.setattr(_common, "_run_optimizer", counting)
     materials = _materials()
@@ -131,9 +131,34 @@ def test_relax_first_starts_from_the_relaxed_cell(lj_calc64):
     assert result.v0 == pytest.approx(reference.get_volume(), rel=2e-2)
 
 
-def test_shape_relaxation_is_refused_with_the_reason(lj_calc64):
-    with pytest.raises(NotImplementedError, match="constant_volume"):
-        equation_of_state(bulk("Ar", "fcc", a=A_AR), lj_calc64, relax="shape")
+def test_shape_relaxed_eos_matches_ases_constant_volume_relaxations(lj_calc64):
+    # hcp argon with c/a far from ideal: at each volume the shape relaxes
+    start = bulk("Ar", "hcp", a=3.65, c=3.65 * 1.75)  # near V0, c/a not ideal
+    factors = np.linspace(0.97, 1.03, 5)
+    (shape,) = equation_of_state(
+        start,
+        lj_calc64,
+        n_volumes=5,
+        strain=0.03,
+        relax="shape",
+        fmax=FMAX,
+        cell_optimizer="LBFGS",
+    )
+    (fixed,) = equation_of_state(start, lj_calc64, n_volumes=5, strain=0.03)
+    assert shape.ok, shape.error
+    np.testing.assert_allclose(shape.volumes, fixed.volumes, rtol=1e-12)
+    assert (shape.energies < fixed.energies - 1e-4).all()  # the shape did relax
+    for factor, volume, energy in zip(
+        factors, shape.volumes, shape.energies, strict=True
+    ):
+        reference = start.copy()
+        reference.set_cell(start.cell * factor, scale_atoms=True)
+        reference.calc = lj_calc64
+        BFGS(FrechetCellFilter(reference, constant_volume=True), logfile=None).run(
+            fmax=FMAX, steps=1000
+        )
+        assert reference.get_volume() == pytest.approx(volume, rel=1e-9)
+        assert energy == pytest.approx(reference.get_potential_energy(), abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -415,8 +415,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--relax",
         choices=("none", "ions", "shape"),
         default="none",
-        help="relax at each volume: none (single points), ions (fixed cell); "
-        "shape (fixed volume) is not available (see the error it gives)",
+        help="relax at each volume: none (single points), ions (fixed cell), "
+        "shape (cell shape and ions at fixed volume, with --cell-optimizer)",
     )
     parser.add_argument(
         "--relax-first",
@@ -452,10 +452,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compute, write and print the equations of state."""
-    if args.relax == "shape":  # before any work
-        from nvalchemi_ase.properties.eos import SHAPE_NOT_IMPLEMENTED
-
-        raise NotImplementedError(SHAPE_NOT_IMPLEMENTED)
     return run_property_command(args, _COMMAND)
 
 

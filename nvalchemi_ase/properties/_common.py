@@ -513,6 +513,7 @@ def relax_structures(
     steps: int,
     optimizer: str,
     cell: bool = False,
+    constant_volume: bool = False,
     memory_budget: float | None = None,
 ) -> np.ndarray:
     """Relax every derived structure of the living materials in one batched run.
@@ -539,7 +540,10 @@ def relax_structures(
         ``nvalchemi_ase.optimize`` class name (:data:`FIXED_CELL_OPTIMIZERS`,
         or :data:`VARIABLE_CELL_OPTIMIZERS` with ``cell=True``).
     cell : bool
-        Relax the cell too (ASE's ``FrechetCellFilter``, default options).
+        Relax the cell too (ASE's ``FrechetCellFilter``).
+    constant_volume : bool
+        With ``cell``: keep each cell's volume (``constant_volume=True``; the
+        shape relaxes).
     memory_budget : float, optional
         Bytes per batch (see :func:`plan_chunks`).
 
@@ -559,7 +563,15 @@ def relax_structures(
             saved = [_state(derived[k].atoms) for k in selected]
             try:
                 steps_taken = _run_optimizer(
-                    optimizer_class, calc, derived, selected, ledger, fmax, steps, cell
+                    optimizer_class,
+                    calc,
+                    derived,
+                    selected,
+                    ledger,
+                    fmax,
+                    steps,
+                    cell,
+                    constant_volume=constant_volume,
                 )
             except BaseException:
                 # a run stopped by an exception may have written part of its
@@ -693,6 +705,8 @@ def _run_optimizer(
     fmax: float,
     steps: int,
     cell: bool,
+    *,
+    constant_volume: bool = False,
 ) -> np.ndarray:
     """One batched optimizer run over ``selected``; failures go to the ledger."""
     from ase.filters import FrechetCellFilter
@@ -700,7 +714,11 @@ def _run_optimizer(
     atoms = [derived[k].atoms for k in selected]
     for item in atoms:
         item.calc = calc
-    targets = [FrechetCellFilter(item) for item in atoms] if cell else atoms
+    targets = (
+        [FrechetCellFilter(item, constant_volume=constant_volume) for item in atoms]
+        if cell
+        else atoms
+    )
     opt = optimizer_class(targets, logfile=None)
     try:
         with warnings.catch_warnings():

@@ -29,6 +29,7 @@ from nvalchemi_ase.properties._common import (
     materials,
     relax_and_evaluate,
     relax_cells,
+    relax_structures,
     resolve_calculator,
     validate,
 )
@@ -44,16 +45,6 @@ __all__ = ["EOSResult", "equation_of_state"]
 
 #: What can relax at each volume.
 RelaxMode = Literal["ions", "shape"] | None
-
-#: Why ``relax="shape"`` is refused.
-SHAPE_NOT_IMPLEMENTED = (
-    "relax='shape' (cell shape relaxed at fixed volume) is not available: it needs "
-    "ASE's FrechetCellFilter(constant_volume=True), and nvalchemi 0.3's "
-    "variable-cell engines (FIRE2VariableCell, LBFGSVariableCell) have no "
-    "constant-volume projection, so nvalchemi_ase's optimizers refuse that filter "
-    "option; use relax='ions' (fixed cell shape), or relax_first=True to start "
-    "from a fully relaxed cell"
-)
 
 
 @dataclass
@@ -150,8 +141,10 @@ def equation_of_state(
         cube), dimensionless, in (0, 0.5).
     relax : {None, "ions", "shape"}
         None: single points; ``"ions"``: positions relaxed at each fixed cell
-        (one batched run over every cell of every material); ``"shape"``
-        raises :class:`NotImplementedError` (see :data:`SHAPE_NOT_IMPLEMENTED`).
+        (one batched run over every cell of every material); ``"shape"``:
+        cell shape and positions relaxed at each fixed volume
+        (``FrechetCellFilter(constant_volume=True)`` with ``cell_optimizer``,
+        one batched run).
     eos : str
         ASE's EOS form (:data:`ase.eos.eos_names`).
     fmax : float
@@ -184,8 +177,6 @@ def equation_of_state(
 
     Raises
     ------
-    NotImplementedError
-        For ``relax="shape"``.
     ValueError
         For invalid arguments.
     """
@@ -209,7 +200,22 @@ def equation_of_state(
     )
     factors = np.linspace(1.0 - strain, 1.0 + strain, n_volumes)
     derived = _scaled_cells(references, factors, ledger)
-    if relax == "ions":
+    if relax == "shape":
+        relax_steps = relax_structures(
+            calc,
+            derived,
+            ledger,
+            fmax=fmax,
+            steps=steps,
+            optimizer=cell_optimizer,
+            cell=True,
+            constant_volume=True,
+            memory_budget=memory_budget,
+        )
+        results = evaluate(
+            calc, derived, ["energy"], ledger, memory_budget=memory_budget
+        )
+    elif relax == "ions":
         results, relax_steps = relax_and_evaluate(
             calc,
             derived,
@@ -264,9 +270,7 @@ def _check_arguments(
     optimizer: str,
     cell_optimizer: str,
 ) -> None:
-    if relax == "shape":
-        raise NotImplementedError(SHAPE_NOT_IMPLEMENTED)
-    if relax not in (None, "ions"):
+    if relax not in (None, "ions", "shape"):
         raise ValueError(f"relax must be None, 'ions' or 'shape', got {relax!r}")
     if int(n_volumes) != n_volumes or n_volumes < 5:
         raise ValueError(f"n_volumes must be an integer >= 5, got {n_volumes}")
