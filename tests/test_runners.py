@@ -730,3 +730,46 @@ def test_sort_output_orders_frames_by_index_keeping_their_text(calc, tmp_path):
     assert [int(a.info["index"]) for a in iread(output, index=":")] == list(range(10))
     assert frames_by_index(output) == before
     assert output.read_text() == "".join(before[i] for i in range(10))
+
+
+@pytest.mark.slow  # 5000 frames read, evaluated and written
+def test_five_thousand_frames_stream_with_memory_bounded_by_the_chunk(calc, tmp_path):
+    import weakref
+
+    count, chunk = 5000, 250
+    path = tmp_path / "many.extxyz"
+    rng = np.random.default_rng(0)
+    write(
+        path,
+        (
+            Atoms("Ar2", positions=[[0, 0, 0], [0, 0, 3.6 + 0.4 * rng.random()]])
+            for _ in range(count)
+        ),
+        format="extxyz",
+    )
+    alive = {"now": 0, "most": 0}
+
+    def released() -> None:
+        alive["now"] -= 1
+
+    def frames():
+        for atoms in iread(path, index=":"):
+            alive["now"] += 1
+            alive["most"] = max(alive["most"], alive["now"])
+            weakref.finalize(atoms, released)
+            yield atoms
+
+    output = tmp_path / "out.extxyz"
+    done = 0
+    for done, (index, atoms) in enumerate(
+        isingle_points(frames(), calc, max_structures=chunk, output=output), start=1
+    ):
+        assert index == done - 1  # input order
+        distance = atoms.get_distance(0, 1)
+        energy = 4 * 0.0104 * ((3.40 / distance) ** 12 - (3.40 / distance) ** 6)
+        assert atoms.get_potential_energy() == pytest.approx(energy, rel=1e-10)
+        del atoms
+    assert done == count
+    # one chunk in flight and the next being read, never the file
+    assert alive["most"] <= 2 * chunk + 1
+    assert len(finished_indices(output)) == count
