@@ -41,7 +41,7 @@ step. Other ASE constraints are refused by name before any step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,8 @@ import numpy as np
 import torch
 from ase import Atoms
 from ase.constraints import FixAtoms, FixCartesian, FixCom, FixSymmetry
+
+from nvalchemi_ase.dynamics.hooks import StageHook
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -174,11 +176,11 @@ class BatchConstraints:
         """
         after_post = self.adjust_step_and_momenta if momenta else self.adjust_step
         return [
-            _Hook(stages.AFTER_COMPUTE, self.adjust_forces_and_stress),
-            _Hook(stages.BEFORE_PRE_UPDATE, self.save),
-            _Hook(stages.AFTER_PRE_UPDATE, self.adjust_step),
-            _Hook(stages.BEFORE_POST_UPDATE, self.save),
-            _Hook(stages.AFTER_POST_UPDATE, after_post),
+            StageHook(stages.AFTER_COMPUTE, self.adjust_forces_and_stress),
+            StageHook(stages.BEFORE_PRE_UPDATE, self.save),
+            StageHook(stages.AFTER_PRE_UPDATE, self.adjust_step),
+            StageHook(stages.BEFORE_POST_UPDATE, self.save),
+            StageHook(stages.AFTER_POST_UPDATE, after_post),
         ]
 
     # -- what the hooks do -----------------------------------------------------------
@@ -365,19 +367,6 @@ def _fractional(
     """Fractional coordinates [V, 3] of Cartesian positions (rows: x = s L)."""
     inverse = torch.linalg.inv(cell)[index]
     return torch.einsum("va,vab->vb", positions, inverse)
-
-
-class _Hook:
-    """An nvalchemi hook calling one method at one stage."""
-
-    frequency = 1
-
-    def __init__(self, stage: Any, action: Callable[[Batch], None]) -> None:
-        self.stage = stage
-        self._action = action
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        self._action(ctx.batch)
 
 
 def _cartesian_mask(

@@ -36,6 +36,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from nvalchemi_ase.dynamics.hooks import StageHook
+
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
@@ -194,19 +196,6 @@ def resolve_on_failure(value: Any) -> OnFailure:
     return value  # type: ignore[no-any-return]
 
 
-class _GuardHook:
-    """An nvalchemi hook calling one method of the guard at one stage."""
-
-    frequency = 1
-
-    def __init__(self, stage: Any, action: Callable[[Batch], None]) -> None:
-        self.stage = stage
-        self._action = action
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        self._action(ctx.batch)
-
-
 class FailureGuard:
     """Per-structure failure flags and the hooks that keep them, on the device.
 
@@ -256,12 +245,12 @@ class FailureGuard:
 
     # -- hooks ------------------------------------------------------------------
 
-    def hooks(self, stages: Any) -> list[_GuardHook]:
+    def hooks(self, stages: Any) -> list[StageHook]:
         """Return the three hooks for ``DynamicsStage`` ``stages`` (register first)."""
         return [
-            _GuardHook(stages.BEFORE_STEP, self.take_snapshot),
-            _GuardHook(stages.AFTER_COMPUTE, self.check),
-            _GuardHook(stages.AFTER_STEP, self.check),
+            StageHook(stages.BEFORE_STEP, self.take_snapshot),
+            StageHook(stages.AFTER_COMPUTE, self.check),
+            StageHook(stages.AFTER_STEP, self.check),
         ]
 
     def take_snapshot(self, batch: Batch) -> None:

@@ -28,12 +28,14 @@ other cells a mask is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from nvalchemi_ase.dynamics.hooks import StageHook
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -114,8 +116,8 @@ class FilterOptions:
                 self._project_cell_step(batch, saved["cell"])
 
         return [
-            _Hook(stages.BEFORE_PRE_UPDATE, before),
-            _Hook(stages.AFTER_PRE_UPDATE, after),
+            StageHook(stages.BEFORE_PRE_UPDATE, before),
+            StageHook(stages.AFTER_PRE_UPDATE, after),
         ]
 
     def _project_cell_step(self, batch: Batch, old_cell: torch.Tensor) -> None:
@@ -146,19 +148,6 @@ class FilterOptions:
         )
         batch.positions.copy_(torch.einsum("va,vab->vb", fractional, cell[index]))
         batch.cell.copy_(cell)
-
-
-class _Hook:
-    """An nvalchemi hook calling one function at one stage."""
-
-    frequency = 1
-
-    def __init__(self, stage: Any, action: Callable[[Batch], None]) -> None:
-        self.stage = stage
-        self._action = action
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        self._action(ctx.batch)
 
 
 def filter_options(
