@@ -778,6 +778,9 @@ BENCHMARKS = {
     "scaling": scaling,
     "runners": lambda s, r: importlib.import_module("benchmarks.runners").run(s, r),
     "neb": lambda s, r: importlib.import_module("benchmarks.neb").neb_paths(s, r),
+    "neb-sevennet": lambda s, r: importlib.import_module("benchmarks.neb").neb_sevennet(
+        s, r
+    ),
     "properties": lambda *a: importlib.import_module("benchmarks.properties").run(*a),
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
 }

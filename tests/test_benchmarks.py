@@ -20,6 +20,8 @@ SECTIONS = [
     "3. Calculator overhead",
     "4. Adapter throughput",
     "5. Scaling",
+    "6. NEB: many paths",
+    "6b. NEB on SevenNet-0",
 ]
 
 
