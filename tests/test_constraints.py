@@ -189,3 +189,14 @@ def test_other_constraints_are_refused_by_name(constraint, lj_calc64):
     name = type(images[1].constraints[0]).__name__
     with pytest.raises(ValueError, match=rf"images\[1\] has constraint {name}"):
         BFGS(images, model=lj_calc64.model, logfile=None)
+
+
+def test_temperatures_count_the_degrees_of_freedom_ase_counts(lj_calc64):
+    images = [thermalize(rattled_bulk(repeat=2, seed=s), 80.0, seed=s) for s in (1, 2)]
+    images[0].set_constraint(FixCom())
+    images[1].set_constraint(FixCartesian([0, 1, 2], mask=(True, False, True)))
+    dyn = VelocityVerlet(images, 2 * units.fs, model=lj_calc64.model)
+    dyn.run(5)
+    ours = dyn.per_structure_thermo()["temperature"]
+    theirs = [atoms.get_temperature() for atoms in images]  # 3N - 3, 3N - 6
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12)

@@ -880,7 +880,9 @@ class BatchedDynamics(AseBaseDynamics):
         -------
         dict of numpy.ndarray, each shape (B,)
             ``natoms``; ``epot`` and ``ekin`` in eV; ``temperature`` in K with
-            ASE's degrees of freedom (3 per atom not fixed by ``FixAtoms``).
+            ASE's degrees of freedom (``atoms.get_number_of_degrees_of_freedom``:
+            3 per atom not fixed by ``FixAtoms``, less what ``FixCom`` and
+            ``FixCartesian`` remove).
         """
         batch = self.batch
         index = batch.batch_idx.long()
@@ -895,7 +897,7 @@ class BatchedDynamics(AseBaseDynamics):
         stacked[2] = batch.energy.detach().reshape(-1).to(torch.float64)
         ekin, free_atoms, epot = stacked.cpu().numpy()
         natoms = batch.num_nodes_per_graph.cpu().numpy().astype(np.float64)
-        dof = np.maximum(3.0 * free_atoms, 1.0)
+        dof = np.maximum(3.0 * free_atoms - self._constraints.removed_dof, 1.0)
         return {
             "natoms": natoms,
             "epot": epot,

@@ -147,6 +147,19 @@ class BatchConstraints:
         com = [any(type(c) is FixCom for c in a.constraints) for a in images]
         self.com = torch.tensor(com, device=device) if any(com) else None
         self.symmetry = _symmetry(images, offsets, sum(sizes), device, dtype)
+        #: Degrees of freedom ``FixCartesian`` and ``FixCom`` remove, (B,):
+        #: ASE's ``get_removed_dof`` (FixAtoms' are the frozen atoms' own).
+        self.removed_dof = np.array(
+            [
+                sum(
+                    c.get_removed_dof(atoms)
+                    for c in atoms.constraints
+                    if type(c) in (FixCartesian, FixCom)
+                )
+                for atoms in images
+            ],
+            dtype=np.float64,
+        )
 
     @property
     def any(self) -> bool:
