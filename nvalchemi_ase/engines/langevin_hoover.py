@@ -129,6 +129,7 @@ class LangevinHooverBAOAB(ThermostattedVerlet):
             else check_parameter("t_tau", t_tau, minimum=0.0, strict=True)
         )
         self.barostat = external_stress is not None
+        self._cell_force_pending = False  # rows without a cell force yet
         self.hydrostatic = bool(hydrostatic)
         self._external_stress = None
         if self.barostat:
@@ -171,6 +172,7 @@ class LangevinHooverBAOAB(ThermostattedVerlet):
         fields = {"kT": kT, "gamma": gamma}
         if self.barostat:
             fields |= self._barostat_state(count, device, dtype, per_system)
+            self._cell_force_pending = True  # a host flag: no read of the device
         return make_state(fields, device)
 
     def _barostat_state(
@@ -216,7 +218,7 @@ class LangevinHooverBAOAB(ThermostattedVerlet):
         with torch.no_grad():
             free = free_atoms(batch).unsqueeze(-1)
             generator = self._step_generator(batch.positions.device)
-            if self.barostat:
+            if self.barostat and self._cell_force_pending:
                 self._complete_cell_force(batch, free)
             self._cell_kick()
             self._half_kick(batch, free)
@@ -286,6 +288,7 @@ class LangevinHooverBAOAB(ThermostattedVerlet):
             torch.where(pending, self._cell_force(batch, free), state.f_eps)
         )
         state.f_eps_pending.zero_()
+        self._cell_force_pending = False
 
     def _cell_kick(self) -> None:
         if self.barostat:

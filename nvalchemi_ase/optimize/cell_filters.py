@@ -57,15 +57,12 @@ class FilterOptions:
         [B] bool.
     mask : torch.Tensor
         [B, 3, 3] 0/1 cell components that move.
-    volume : torch.Tensor
-        [B] starting volume, Å³.
     """
 
     pressure: torch.Tensor
     hydrostatic: torch.Tensor
     constant_volume: torch.Tensor
     mask: torch.Tensor
-    volume: torch.Tensor
 
     def effective_stress(self, stress: torch.Tensor) -> torch.Tensor:
         """Return the stress ASE's filter makes the cell force of, [B, 3, 3] eV/Å³.
@@ -201,5 +198,4 @@ def filter_options(
         hydrostatic=tensor(hydrostatic, torch.bool),
         constant_volume=tensor(constant, torch.bool),
         mask=tensor(masks),
-        volume=torch.linalg.det(batch.cell.detach()).abs().clone(),
     )
