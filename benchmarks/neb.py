@@ -48,19 +48,26 @@ def adatom_hop(size: tuple[int, int, int]) -> tuple[Any, Any]:
 
 
 def make_bands(count: int, n_images: int, calc: Any) -> list[list[Any]]:
-    """``count`` linearly interpolated bands with relaxed endpoints."""
-    from ase.mep import interpolate
-
-    from nvalchemi_ase.optimize import FIRE
-
+    """``count`` linearly interpolated LJ bands with relaxed endpoints."""
     builders = [lambda s=s: adatom_hop(s) for s in SLABS] + [
         lambda c=c: vacancy_hop(c) for c in CELLS
     ]
     pairs = [builders[k % len(builders)]() for k in range(count)]
+    return bands_between(pairs, n_images, calc, endpoint_fmax=0.002)
+
+
+def bands_between(
+    pairs: list[tuple[Any, Any]], n_images: int, calc: Any, *, endpoint_fmax: float
+) -> list[list[Any]]:
+    """Relax every endpoint (one batched FIRE), then interpolate each band."""
+    from ase.mep import interpolate
+
+    from nvalchemi_ase.optimize import FIRE
+
     endpoints = [atoms for pair in pairs for atoms in pair]
     for atoms in endpoints:
         atoms.calc = calc
-    FIRE(endpoints, logfile=None).run(fmax=0.002, steps=2000)
+    FIRE(endpoints, logfile=None).run(fmax=endpoint_fmax, steps=2000)
     bands = []
     for initial, final in pairs:
         band = [initial.copy() for _ in range(n_images - 1)] + [final.copy()]
@@ -69,9 +76,26 @@ def make_bands(count: int, n_images: int, calc: Any) -> list[list[Any]]:
     return bands
 
 
-def neb_paths(settings: Settings, report: Report) -> None:
+def ase_neb(
+    band: list[Any], calc: Any, *, fmax: float, steps: int
+) -> tuple[int, float]:
+    """ASE's ``NEB`` + ``FIRE`` on one band: (steps, highest image - first, eV)."""
     from ase.mep import NEB
     from ase.optimize import FIRE
+
+    images = [atoms.copy() for atoms in band]
+    for atoms in images:
+        atoms.calc = calc
+    neb = NEB(
+        images, climb=True, method="improvedtangent", allow_shared_calculator=True
+    )
+    opt = FIRE(neb, logfile=None)
+    opt.run(fmax=fmax, steps=steps)
+    energies = [atoms.get_potential_energy() for atoms in images]
+    return opt.nsteps, max(energies) - energies[0]
+
+
+def neb_paths(settings: Settings, report: Report) -> None:
 
     from benchmarks.run import interleaved_medians
     from nvalchemi_ase import NVAlchemiCalculator
@@ -90,21 +114,9 @@ def neb_paths(settings: Settings, report: Report) -> None:
         taken["batched"] = [result.steps for result in results]
 
     def sequential() -> None:
-        counts = []
-        for band in bands:
-            images = [atoms.copy() for atoms in band]
-            for atoms in images:
-                atoms.calc = calc
-            neb = NEB(
-                images,
-                climb=True,
-                method="improvedtangent",
-                allow_shared_calculator=True,
-            )
-            opt = FIRE(neb, logfile=None)
-            opt.run(fmax=FMAX, steps=steps)
-            counts.append(opt.nsteps)
-        taken["sequential"] = counts
+        taken["sequential"] = [
+            ase_neb(band, calc, fmax=FMAX, steps=steps)[0] for band in bands
+        ]
 
     t_batched, t_sequential = interleaved_medians(
         [batched, sequential], settings.repeats
@@ -157,11 +169,9 @@ def copper_vacancy_hop(repeat: tuple[int, int, int]) -> tuple[Any, Any]:
 
 def neb_sevennet(settings: Settings, report: Report) -> None:
     """The NEB comparison on SevenNet-0: vacancy hops in small copper cells."""
-    from ase.mep import NEB, interpolate
-    from ase.optimize import FIRE
 
     from benchmarks.run import interleaved_medians
-    from nvalchemi_ase import NVAlchemiCalculator, optimize
+    from nvalchemi_ase import NVAlchemiCalculator
     from nvalchemi_ase.mep import relax_paths
 
     repeats = ((2, 2, 2), (3, 2, 2), (2, 3, 2), (2, 2, 3))
@@ -169,15 +179,7 @@ def neb_sevennet(settings: Settings, report: Report) -> None:
     steps, fmax = (3, 0.1) if settings.quick else (300, 0.1)
     calc = NVAlchemiCalculator("sevennet-0", device=settings.device)
     pairs = [copper_vacancy_hop(repeats[k]) for k in range(count)]
-    endpoints = [atoms for pair in pairs for atoms in pair]
-    for atoms in endpoints:
-        atoms.calc = calc
-    optimize.FIRE(endpoints, logfile=None).run(fmax=0.01, steps=500)
-    bands = []
-    for initial, final in pairs:
-        band = [initial.copy() for _ in range(n_images - 1)] + [final.copy()]
-        interpolate(band, mic=True)
-        bands.append(band)
+    bands = bands_between(pairs, n_images, calc, endpoint_fmax=0.01)
     taken: dict[str, list[int]] = {}
     barriers: dict[str, list[float]] = {}
 
@@ -189,24 +191,9 @@ def neb_sevennet(settings: Settings, report: Report) -> None:
         barriers["batched"] = [result.barrier_forward for result in results]
 
     def sequential() -> None:
-        counts, heights = [], []
-        for band in bands:
-            images = [atoms.copy() for atoms in band]
-            for atoms in images:
-                atoms.calc = calc
-            neb = NEB(
-                images,
-                climb=True,
-                method="improvedtangent",
-                allow_shared_calculator=True,
-            )
-            opt = FIRE(neb, logfile=None)
-            opt.run(fmax=fmax, steps=steps)
-            counts.append(opt.nsteps)
-            energies = [atoms.get_potential_energy() for atoms in images]
-            heights.append(max(energies) - energies[0])
-        taken["sequential"] = counts
-        barriers["sequential"] = heights
+        runs = [ase_neb(band, calc, fmax=fmax, steps=steps) for band in bands]
+        taken["sequential"] = [steps_taken for steps_taken, _ in runs]
+        barriers["sequential"] = [barrier for _, barrier in runs]
 
     t_batched, t_sequential = interleaved_medians([batched, sequential], 1, warmup=0)
     atoms = sorted({len(band[0]) for band in bands})
