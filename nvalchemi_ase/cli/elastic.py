@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from nvalchemi_ase.cli.eos import (
     PropertyCommand,
     add_property_arguments,
+    add_relaxation_arguments,
     run_property_command,
 )
 
@@ -35,10 +36,6 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``elastic`` options."""
     from nvalchemi_ase.cli.common import positive_float, positive_int
-    from nvalchemi_ase.properties._common import (
-        FIXED_CELL_OPTIMIZERS,
-        VARIABLE_CELL_OPTIMIZERS,
-    )
 
     parser.add_argument(
         "--strain",
@@ -57,35 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="clamped ions: do not relax the strained cells (default: relax ions)",
     )
-    parser.add_argument(
-        "--relax-first",
-        action="store_true",
-        help="relax cell and ions of every material first (FrechetCellFilter)",
-    )
-    parser.add_argument(
-        "--fmax",
-        type=positive_float,
-        default=1e-3,
-        help="force threshold of the relaxations, eV/Å (default: 0.001)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=1000,
-        help="step limit of each batched relaxation (default: 1000)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=FIXED_CELL_OPTIMIZERS,
-        default="FIRE",
-        help="ion optimizer (default: FIRE)",
-    )
-    parser.add_argument(
-        "--cell-optimizer",
-        choices=VARIABLE_CELL_OPTIMIZERS,
-        default="FIRE2",
-        help="optimizer of --relax-first (default: FIRE2)",
-    )
+    add_relaxation_arguments(parser, default_fmax=1e-3)
     add_property_arguments(parser, plots=False)
 
 

@@ -53,6 +53,55 @@ DEFAULT_PREFIX = "nvalchemi-ase-results/"
 # -- shared by eos, elastic and phonons --------------------------------------------
 
 
+def add_relaxation_arguments(
+    parser: argparse.ArgumentParser, *, default_fmax: float
+) -> None:
+    """Register ``--relax-first``, ``--fmax``, ``--steps`` and the optimizers.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The subcommand's parser.
+    default_fmax : float
+        Default force threshold of the relaxations, eV/Å.
+    """
+    from nvalchemi_ase.cli.common import positive_float, positive_int
+    from nvalchemi_ase.properties._common import (
+        FIXED_CELL_OPTIMIZERS,
+        VARIABLE_CELL_OPTIMIZERS,
+    )
+
+    parser.add_argument(
+        "--relax-first",
+        action="store_true",
+        help="relax cell and ions of every material first (FrechetCellFilter)",
+    )
+    parser.add_argument(
+        "--fmax",
+        type=positive_float,
+        default=default_fmax,
+        help=f"force threshold of the relaxations, eV/Å (default: {default_fmax:g})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=1000,
+        help="step limit of each batched relaxation (default: 1000)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=FIXED_CELL_OPTIMIZERS,
+        default="FIRE",
+        help="ion optimizer (default: FIRE)",
+    )
+    parser.add_argument(
+        "--cell-optimizer",
+        choices=VARIABLE_CELL_OPTIMIZERS,
+        default="FIRE2",
+        help="optimizer of --relax-first (default: FIRE2)",
+    )
+
+
 def add_property_arguments(parser: argparse.ArgumentParser, *, plots: bool) -> None:
     """Add inputs, ``--file-prefix``, ``--overwrite``, ``--quiet``, model options.
 
@@ -388,10 +437,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ase.eos import eos_names
 
     from nvalchemi_ase.cli.common import positive_float, positive_int
-    from nvalchemi_ase.properties._common import (
-        FIXED_CELL_OPTIMIZERS,
-        VARIABLE_CELL_OPTIMIZERS,
-    )
 
     parser.add_argument(
         "--n-volumes",
@@ -418,35 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="relax at each volume: none (single points), ions (fixed cell), "
         "shape (cell shape and ions at fixed volume, with --cell-optimizer)",
     )
-    parser.add_argument(
-        "--relax-first",
-        action="store_true",
-        help="relax cell and ions of every material first (FrechetCellFilter)",
-    )
-    parser.add_argument(
-        "--fmax",
-        type=positive_float,
-        default=0.01,
-        help="force threshold of the relaxations, eV/Å (default: 0.01)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=1000,
-        help="step limit of each batched relaxation (default: 1000)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=FIXED_CELL_OPTIMIZERS,
-        default="FIRE",
-        help="ion optimizer (default: FIRE)",
-    )
-    parser.add_argument(
-        "--cell-optimizer",
-        choices=VARIABLE_CELL_OPTIMIZERS,
-        default="FIRE2",
-        help="optimizer of --relax-first (default: FIRE2)",
-    )
+    add_relaxation_arguments(parser, default_fmax=0.01)
     add_property_arguments(parser, plots=True)
 
 
