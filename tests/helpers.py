@@ -42,3 +42,17 @@ def frames_by_index(path) -> dict[int, str]:
         frames[index] = "".join(lines[start : start + count + 2])
         start += count + 2
     return frames
+
+
+def write_results(path, frames) -> None:
+    """Write runner results to extxyz as a runner does (``failure`` only if set)."""
+    from ase.io import write
+
+    copies = []
+    for frame in frames:
+        copy = frame.copy()
+        copy.calc = frame.calc
+        if copy.info.get("failure") is None:
+            copy.info.pop("failure", None)
+        copies.append(copy)
+    write(path, copies, format="extxyz")

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 from ase import Atoms
-from ase.build import bulk, fcc111
+from ase.build import bulk
 from ase.constraints import FixBondLength
 from ase.io import iread, read, write
 
@@ -31,64 +31,16 @@ from nvalchemi_ase.runners import (
     sort_output,
 )
 from tests.helpers import frames_by_index
+from tests.structures import A_AR, mixed
 
 # Same engine, same structure, same float64 model: round-off only.
 PATH_ATOL = 1e-8
 FMAX = 0.02
-A_AR = 5.26
 
 
 @pytest.fixture(scope="module")
 def calc():
     return NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-
-
-def _bulk(rng: np.random.Generator, largest: int = 100) -> Atoms:
-    """Primitive fcc argon, 1-``largest`` atoms, randomly strained and rattled."""
-    while True:
-        repeat = rng.integers(1, 6, size=3)
-        if repeat.prod() <= largest:
-            break
-    atoms = bulk("Ar", "fcc", a=A_AR) * tuple(int(r) for r in repeat)
-    strain = np.eye(3) + rng.uniform(-0.03, 0.03, (3, 3))
-    atoms.set_cell(atoms.cell.array @ strain, scale_atoms=True)
-    atoms.rattle(rng.uniform(0.02, 0.12), seed=int(rng.integers(1 << 30)))
-    return atoms
-
-
-def _molecule(rng: np.random.Generator, largest: int = 100) -> Atoms:
-    """A compact, rattled argon cluster of 2-6 atoms, no cell."""
-    count = int(rng.integers(2, 7))
-    base = np.array(
-        [
-            [0, 0, 0],
-            [3.8, 0, 0],
-            [1.9, 3.3, 0],
-            [1.9, 1.1, 3.1],
-            [5.7, 3.3, 0],
-            [-1.9, 3.3, 0],
-        ]
-    )[:count]
-    atoms = Atoms(f"Ar{count}", positions=base, pbc=False)
-    atoms.rattle(0.1, seed=int(rng.integers(1 << 30)))
-    return atoms
-
-
-def _slab(rng: np.random.Generator, largest: int = 100) -> Atoms:
-    """A rattled fcc(111) slab, pbc (T, T, F) without a third vector."""
-    size = (int(rng.integers(2, 4)), int(rng.integers(2, 4)), 2)
-    atoms = fcc111("Ar", size=size, a=A_AR, vacuum=None)
-    atoms.pbc = (True, True, False)
-    atoms.info.pop("adsorbate_info", None)
-    atoms.rattle(0.08, seed=int(rng.integers(1 << 30)))
-    return atoms
-
-
-def mixed(count: int, seed: int = 0, largest: int = 100) -> list[Atoms]:
-    """``count`` molecules, slabs and bulk cells (1-``largest`` atoms)."""
-    rng = np.random.default_rng(seed)
-    makers = (_bulk, _molecule, _bulk, _slab)
-    return [makers[index % len(makers)](rng, largest) for index in range(count)]
 
 
 def _alone(

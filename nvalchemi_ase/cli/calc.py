@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         say,
     )
     from nvalchemi_ase.cli.outputs import OutputFiles
-    from nvalchemi_ase.cli.runs import RunState, resumed
+    from nvalchemi_ase.cli.runs import RunState, on_root, resumed
     from nvalchemi_ase.runners import isingle_points, sort_output
 
     inputs = expand_inputs(args.files)
@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
         ):
             state.done += 1
+    if not on_root(args):
+        return 0  # rank 0 moves the merged output into place and prints
     sort_output(staged)  # in input order already; a no-op check
     outputs.commit()
     if not getattr(args, "quiet", False):

@@ -198,7 +198,11 @@ def build_calculator(args: argparse.Namespace) -> Any:
     from nvalchemi_ase.calculator import NVAlchemiCalculator
 
     name, params = parse_model_spec(args.model)
-    return NVAlchemiCalculator(name, device=args.device, dtype=args.dtype, **params)
+    device = args.device
+    shard = getattr(args, "shard", None)
+    if shard is not None:
+        device = shard.device(device)  # under torchrun: this rank's own GPU
+    return NVAlchemiCalculator(name, device=device, dtype=args.dtype, **params)
 
 
 def read_sources(patterns: Sequence[str]) -> list[Source]:
@@ -369,6 +373,9 @@ def show_progress(args: argparse.Namespace) -> bool | None:
 
 
 def say(args: argparse.Namespace, text: str) -> None:
-    """Print to stdout unless ``--quiet``."""
+    """Print to stdout unless ``--quiet`` (under ``torchrun``, on rank 0 only)."""
+    shard = getattr(args, "shard", None)
+    if shard is not None and not shard.is_root:
+        return
     if not getattr(args, "quiet", False):
         print(text, file=sys.stdout)  # noqa: T201

@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from nvalchemi_ase import __version__
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     module = importlib.import_module(args._module)
     try:
-        return int(module.run(args))
+        return _run_on_every_rank(module, args)
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -115,6 +116,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "" if status == _INTERRUPTED else "error: "
         _print_error(args.command, prefix + message)
         return status
+
+
+def _run_on_every_rank(module: Any, args: argparse.Namespace) -> int:
+    """Run the command; under ``torchrun``, on this rank's shard of the inputs.
+
+    ``args.shard`` is this process's
+    :class:`~nvalchemi_ase.runners.distributed.Shard` (the single-process one
+    unless launched as one of several ranks); the runners shard the inputs
+    across ranks, and only rank 0 prints results and moves outputs into place.
+    """
+    from nvalchemi_ase.runners.distributed import sharding
+
+    with sharding() as shard:
+        args.shard = shard
+        return int(module.run(args))
 
 
 def _prefer_passive_openmp() -> None:

@@ -30,6 +30,7 @@ is an input is refused.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +142,13 @@ def run(args: argparse.Namespace) -> int:
         show_progress,
     )
     from nvalchemi_ase.cli.outputs import OutputFiles, write_failure_table
-    from nvalchemi_ase.cli.runs import RunState, report_failure, resumed
+    from nvalchemi_ase.cli.runs import (
+        RunState,
+        on_root,
+        report_failure,
+        resumed,
+        series_of_every_rank,
+    )
     from nvalchemi_ase.runners import imd
 
     if args.temperature < 0:
@@ -149,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     folder = Path(args.output_dir)
-    files = _Files(outputs, folder, plot=args.plot)  # before any work
+    files = _Files(outputs, folder, plot=args.plot, ranks=_ranks(args))  # first
     calc = build_calculator(args)  # configuration errors next, before reading
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(outputs, folder, len(scanned))
@@ -182,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
             state.done += 1
             if atoms.info["failure"] is not None:
                 report_failure(args.command, atoms, files.failed_final)
+    series = series_of_every_rank(args, series)
+    if not on_root(args):
+        return 0  # rank 0 moves the merged outputs into place and prints
+    files.stage_rank_logs()
     failed = write_failure_table(files.failed, files.table)
     if files.plot is not None and series:
         _plot(series, scanned.labels, files.plot, args.ensemble)
@@ -196,16 +207,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Files:
-    """Staged output paths of an MD run (claimed before any work)."""
+    """Staged output paths of an MD run (claimed before any work).
 
-    def __init__(self, outputs: OutputFiles, folder: Path, *, plot: bool) -> None:
+    Under ``torchrun`` rank ``r > 0`` logs to ``md.rank<r>.log``: the runner
+    writes it next to the staged log, and :meth:`stage_rank_logs` gives it
+    its staged name before the outputs are moved into place.
+    """
+
+    def __init__(
+        self, outputs: OutputFiles, folder: Path, *, plot: bool, ranks: int = 1
+    ) -> None:
         self.failed_final = folder / "failed.extxyz"
         self.table_final = folder / "failures.csv"
         self.final = outputs.claim(folder / "final.extxyz")
         self.log = outputs.claim(folder / "md.log")
+        self.rank_logs = [
+            outputs.claim(folder / f"md.rank{rank}.log") for rank in range(1, ranks)
+        ]
         self.failed = outputs.claim(self.failed_final)
         self.table = outputs.claim(self.table_final)
         self.plot = outputs.claim(folder / "md.png") if plot else None
+
+    def stage_rank_logs(self) -> None:
+        """Move the logs of ranks 1.. from the runner's names to their staged ones."""
+        from nvalchemi_ase.runners.distributed import shard_path
+
+        for rank, staged in enumerate(self.rank_logs, start=1):
+            written = shard_path(self.log, rank)
+            if written.exists():
+                os.replace(written, staged)
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """Ranks of this run (1 unless launched by ``torchrun``)."""
+    shard = getattr(args, "shard", None)
+    return 1 if shard is None else int(shard.size)
 
 
 def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:

@@ -112,7 +112,13 @@ def run(args: argparse.Namespace) -> int:
         show_progress,
     )
     from nvalchemi_ase.cli.outputs import OutputFiles
-    from nvalchemi_ase.cli.runs import RunState, report_failure, resumed
+    from nvalchemi_ase.cli.runs import (
+        RunState,
+        on_root,
+        report_failure,
+        resumed,
+        series_of_every_rank,
+    )
     from nvalchemi_ase.runners import irelax
 
     if args.cell and args.optimizer not in CELL_OPTIMIZERS:
@@ -152,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
             state.done += 1
             if atoms.info["failure"] is not None:
                 report_failure(args.command, atoms, files.failed_final)
+    series = series_of_every_rank(args, series)
+    if not on_root(args):
+        return 0  # rank 0 moves the merged output into place and prints
     failed = files.finish(series, scanned.labels, args.optimizer)
     outputs.commit()
     converged = _summary(args, output, files.failed_final)

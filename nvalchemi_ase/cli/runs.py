@@ -26,9 +26,11 @@ __all__ = [
     "INTERRUPTED_STATUS",
     "RunInterruptedError",
     "RunState",
+    "on_root",
     "report",
     "report_failure",
     "resumed",
+    "series_of_every_rank",
 ]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
@@ -178,3 +180,19 @@ def resumed(
                 "--resume"
             )
     return len(done)
+
+
+def on_root(args: argparse.Namespace) -> bool:
+    """Whether this process writes the outputs and prints (rank 0, or alone)."""
+    shard = getattr(args, "shard", None)
+    return shard is None or bool(shard.is_root)
+
+
+def series_of_every_rank(
+    args: argparse.Namespace, series: dict[int, Any] | None
+) -> dict[int, Any] | None:
+    """Return the per-structure series (for plots) of every rank, on every rank."""
+    shard = getattr(args, "shard", None)
+    if series is None or shard is None or not shard.parallel:
+        return series
+    return dict(shard.gather(list(series.items())))

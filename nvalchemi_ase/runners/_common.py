@@ -14,14 +14,20 @@ import numpy.typing as npt
 from nvalchemi_ase.runners.files import read_results
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.runners.budget import Budget
+    from nvalchemi_ase.runners.distributed import Shard
+    from nvalchemi_ase.runners.files import Sink
 
 __all__ = [
     "NO_LIMIT",
     "PROPERTIES",
     "Admission",
+    "Run",
     "Slot",
     "calculator_for",
     "checked_properties",
@@ -29,6 +35,7 @@ __all__ = [
     "final_values",
     "in_input_order",
     "naming_inputs",
+    "opened_run",
     "progress_bar",
     "quiet_failures",
     "result_atoms",
@@ -39,15 +46,74 @@ __all__ = [
 PROPERTIES = ("energy", "forces", "stress")
 
 
+@dataclass
+class Run:
+    """What one runner call works with: its shard, calculator, budget and sink."""
+
+    shard: Shard
+    calc: NVAlchemiCalculator
+    budget: Budget
+    sink: Sink
+
+
+@contextlib.contextmanager
+def opened_run(
+    model: Any,
+    *,
+    distributed: bool | None,
+    device: Any = None,
+    dtype: Any = None,
+    max_atoms: int | None = None,
+    max_edges: int | None = None,
+    max_structures: int | None = None,
+    output: str | Path | None = None,
+    resume: bool = False,
+    failures: str | Path | None = None,
+) -> Iterator[Run]:
+    """Open one runner call: this process's shard, calculator, budget, output.
+
+    The output is finished (shard files merged) when the block ends normally;
+    on an error or an abandoned generator it is only closed, so that
+    ``resume=True`` continues from what was written.
+    """
+    from nvalchemi_ase.runners.budget import Budget
+    from nvalchemi_ase.runners.distributed import sharding
+    from nvalchemi_ase.runners.files import Sink
+
+    with sharding(distributed) as shard:
+        calc = calculator_for(model, shard.device(device), dtype)
+        budget = Budget.for_calculator(
+            calc,
+            max_atoms,
+            max_edges,
+            max_structures,
+            sharers=shard.memory_sharers(calc.device),
+        )
+        sink = Sink(output, resume, failures, shard)
+        try:
+            yield Run(shard, calc, budget, sink)
+            sink.finish()
+        finally:
+            sink.close()
+
+
 def in_input_order(
     results: Iterator[tuple[int, Atoms]], kwargs: dict[str, Any]
 ) -> list[Atoms]:
-    """Return the yielded results, with ``resume`` those read back too, by index."""
-    found = dict(results)
-    if kwargs.get("resume") and kwargs.get("output") is not None:
-        failures = kwargs.get("failures") or True
-        for atoms in read_results(kwargs["output"], failures=failures):
-            found.setdefault(int(atoms.info["index"]), atoms)
+    """Every rank's results, with ``resume`` those read back too, by index.
+
+    ``results`` is the runner's generator, not started yet: it runs inside
+    this function's shard (so a process group the runners start lasts until
+    every rank has its results).
+    """
+    from nvalchemi_ase.runners.distributed import sharding
+
+    with sharding(kwargs.get("distributed")) as shard:
+        found = dict(shard.gather(list(results)))
+        if kwargs.get("resume") and kwargs.get("output") is not None:
+            failures = kwargs.get("failures") or True
+            for atoms in read_results(kwargs["output"], failures=failures):
+                found.setdefault(int(atoms.info["index"]), atoms)
     return [found[index] for index in sorted(found)]
 
 
@@ -206,11 +272,15 @@ def naming_inputs(indices: list[int]) -> Iterator[None]:
 
 
 def progress_bar(
-    progress: bool | None, what: str, structures: Iterable[Atoms], skipped: int
+    progress: bool | None, what: str, structures: Iterable[Atoms], run: Run
 ) -> Any:
+    """Return a bar over this rank's structures to do (rank 0 only), or None."""
     from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
 
-    if not progress_enabled(progress):
+    if not progress_enabled(progress) or not run.shard.is_root:
         return None
-    total = len(structures) - skipped if isinstance(structures, Sized) else NO_LIMIT
+    total = NO_LIMIT
+    if isinstance(structures, Sized):
+        done = sum(1 for index in run.sink.done if run.shard.owns(index))
+        total = run.shard.owned_count(len(structures)) - done
     return ProgressBar(what, total, unit="structure")

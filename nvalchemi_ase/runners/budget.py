@@ -55,8 +55,14 @@ class Budget:
         max_atoms: int | None,
         max_edges: int | None,
         max_structures: int | None = None,
+        *,
+        sharers: int = 1,
     ) -> Budget:
-        """Build the budget for ``calc``'s model: the counts given, else memory."""
+        """Build the budget for ``calc``'s model: the counts given, else memory.
+
+        ``sharers`` processes share the device's memory (ranks of a
+        distributed run on one CPU or GPU): each gets that fraction of it.
+        """
         from nvalchemi_ase.models.memory import (
             SAFETY_FRACTION,
             available_memory,
@@ -78,7 +84,7 @@ class Budget:
                 cutoff=estimate.cutoff,
                 max_structures=max_structures,
             )
-        available = available_memory(calc.device)
+        available = available_memory(calc.device) // max(1, sharers)
         return cls(
             max_bytes=SAFETY_FRACTION * available,
             estimate=estimate,

@@ -15,23 +15,24 @@ import numpy.typing as npt
 
 from nvalchemi_ase.runners._common import (
     Admission,
+    Run,
     Slot,
-    calculator_for,
     checked_properties,
     failed_atoms,
     final_values,
     in_input_order,
     naming_inputs,
+    opened_run,
     quiet_failures,
     result_atoms,
 )
-from nvalchemi_ase.runners.budget import Budget
-from nvalchemi_ase.runners.files import Sink
+from nvalchemi_ase.runners.distributed import Shard, shard_path
 
 if TYPE_CHECKING:
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.runners.budget import Budget
 
 __all__ = ["imd", "isingle_points", "md", "single_points"]
 
@@ -50,6 +51,7 @@ def isingle_points(
     output: str | Path | None = None,
     failures: str | Path | None = None,
     resume: bool = False,
+    distributed: bool | None = None,
 ) -> Iterator[tuple[int, Atoms]]:
     """Evaluate many structures in consecutive chunks within the budget.
 
@@ -74,6 +76,10 @@ def isingle_points(
         :func:`failed_path`).
     resume : bool
         Continue the run that wrote ``output`` (see the module docstring).
+    distributed : bool or None
+        Shard the structures across the ranks of a torch.distributed launch
+        (``torchrun``); None: when launched so. See
+        :mod:`nvalchemi_ase.runners.distributed`.
 
     Yields
     ------
@@ -85,29 +91,32 @@ def isingle_points(
     """
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    calc = calculator_for(model, None, None)
-    wanted = checked_properties(properties, calc, allowed=None)
-    budget = Budget.for_calculator(calc, max_atoms, None, max_structures)
-    sink = Sink(output, resume, failures)
-    admission = Admission(calc.model, 0.0)
-    try:
-        for chunk in _resumed_chunks(structures, budget, admission, sink.done):
+    with opened_run(
+        model,
+        distributed=distributed,
+        max_atoms=max_atoms,
+        max_structures=max_structures,
+        output=output,
+        resume=resume,
+        failures=failures,
+    ) as run:
+        wanted = checked_properties(properties, run.calc, allowed=None)
+        admission = Admission(run.calc.model, 0.0)
+        for chunk in _resumed_chunks(run, structures, admission):
             evaluate = [(i, a) for i, a, reason in chunk if reason is None]
             values = _evaluated(
-                calc, [i for i, _ in evaluate], [a for _, a in evaluate], wanted
+                run.calc, [i for i, _ in evaluate], [a for _, a in evaluate], wanted
             )
             by_index = dict(zip([i for i, _ in evaluate], values, strict=True))
             for index, atoms, reason in chunk:
-                if index in sink.done:
+                if index in run.sink.done:
                     continue
                 copy = atoms.copy()
                 copy.info.update(index=index, failure=reason)
                 if reason is None:
                     copy.calc = SinglePointCalculator(copy, **by_index[index])
-                sink.write(copy)
+                run.sink.write(copy)
                 yield index, copy
-    finally:
-        sink.close()
 
 
 def single_points(
@@ -153,6 +162,7 @@ def imd(
     loginterval: int = 1,
     series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
     progress: bool | None = False,
+    distributed: bool | None = None,
     **kwargs: Any,
 ) -> Iterator[tuple[int, Atoms]]:
     """Run ``steps`` MD steps on every structure, in chunks within the budget.
@@ -193,7 +203,9 @@ def imd(
         One ASE trajectory per structure, a path template with ``{i}`` (the
         input index): a frame every ``loginterval`` steps.
     logfile : str or path, optional
-        The MD classes' log, appended to by every chunk.
+        The MD classes' log, appended to by every chunk (with several ranks,
+        rank 0's; rank ``r`` writes ``md.rank<r>.log`` next to it, and
+        ``"-"``, standard output, is rank 0's only).
     loginterval : int
         Steps between trajectory frames, log lines and ``series`` samples.
     series : dict, optional
@@ -202,11 +214,15 @@ def imd(
         ``pressure_gpa``; see :class:`~nvalchemi_ase.dynamics.recorder.Recorder`).
     progress : bool or None
         A progress bar per chunk on standard error; None: only on a terminal.
+    distributed : bool or None
+        Shard the structures across the ranks of a torch.distributed launch
+        (``torchrun``); None: when launched so. See
+        :mod:`nvalchemi_ase.runners.distributed`.
     **kwargs
         Passed to the MD class (``temperature_K``, ``friction``, ...): scalars
         only, since chunks differ in size. ``seed`` is offset by the chunk
-        number, so chunks draw different noise (stochastic paths therefore
-        depend on the chunking).
+        number (and rank), so chunks draw different noise (stochastic paths
+        therefore depend on the chunking and the number of ranks).
 
     Yields
     ------
@@ -223,34 +239,34 @@ def imd(
         if reserved in kwargs:
             raise TypeError(f"imd() does not take {reserved}=")
     md_class = _md_class(dynamics)
-    calc = calculator_for(model, None, None)
-    wanted = checked_properties(properties, calc)
-    budget = Budget.for_calculator(calc, max_atoms, None, max_structures)
-    sink = Sink(output, resume, failures)
     seed = kwargs.pop("seed", None)
-    admission = Admission(calc.model, kwargs.get("neighbor_skin"))
-    run = _MDChunk(
-        md_class,
-        calc,
-        timestep,
-        steps,
-        kwargs,
-        stress="stress" in wanted,
-        trajectory=trajectory,
-        logfile=logfile,
-        loginterval=loginterval,
-        series=series,
-        progress=progress,
-    )
-    chunks = _resumed_chunks(structures, budget, admission, sink.done, numbered=True)
-    try:
-        for number, chunk in chunks:
-            chunk_seed = None if seed is None else int(seed) + number
-            for atoms in run(chunk, chunk_seed, sink.done):
-                sink.write(atoms)
+    with opened_run(
+        model,
+        distributed=distributed,
+        max_atoms=max_atoms,
+        max_structures=max_structures,
+        output=output,
+        resume=resume,
+        failures=failures,
+    ) as run:
+        chunk_run = _MDChunk(
+            md_class,
+            run.calc,
+            timestep,
+            steps,
+            kwargs,
+            stress="stress" in checked_properties(properties, run.calc),
+            trajectory=trajectory,
+            logfile=_rank_file(logfile, run.shard),
+            loginterval=loginterval,
+            series=series,
+            progress=progress and run.shard.is_root,
+        )
+        admission = Admission(run.calc.model, kwargs.get("neighbor_skin"))
+        for number, chunk in _resumed_chunks(run, structures, admission, numbered=True):
+            for atoms in chunk_run(chunk, run.shard.seed(seed, number), run.sink.done):
+                run.sink.write(atoms)
                 yield int(atoms.info["index"]), atoms
-    finally:
-        sink.close()
 
 
 def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
@@ -275,12 +291,12 @@ def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
 
 
 def _chunks(
-    structures: Iterable[Atoms], budget: Budget, admission: Admission
+    numbered: Iterable[tuple[int, Atoms]], budget: Budget, admission: Admission
 ) -> Iterator[list[_Entry]]:
     """Consecutive chunks within ``budget``; (index, atoms, refusal reason)."""
     chunk: list[_Entry] = []
     used = np.zeros(4)
-    for index, atoms in enumerate(structures):
+    for index, atoms in numbered:
         cost = budget.cost(atoms)
         reason = budget.refusal(cost) or admission(atoms)
         if reason is None and chunk and not budget.fits(used, cost):
@@ -294,22 +310,31 @@ def _chunks(
 
 
 def _resumed_chunks(
+    run: Run,
     structures: Iterable[Atoms],
-    budget: Budget,
     admission: Admission,
-    done: set[int],
     *,
     numbered: bool = False,
 ) -> Iterator[Any]:
-    """Yield the chunks of the whole input (numbered from 0) not fully ``done``.
+    """Yield the chunks of this rank's inputs (numbered from 0) not fully done.
 
-    Chunks are formed over every input, finished or not, so a resumed run
-    evaluates the same chunks as the uninterrupted one.
+    Chunks are formed over every input of the rank, finished or not, so a
+    resumed run evaluates the same chunks as the uninterrupted one.
     """
-    for number, chunk in enumerate(_chunks(structures, budget, admission)):
-        if all(index in done for index, _, _ in chunk):
+    chunks = _chunks(run.shard.numbered(structures), run.budget, admission)
+    for number, chunk in enumerate(chunks):
+        if all(index in run.sink.done for index, _, _ in chunk):
             continue
         yield (number, chunk) if numbered else chunk
+
+
+def _rank_file(path: str | Path | None, shard: Shard) -> str | None:
+    """Return this rank's log: ``path`` on rank 0, ``md.rank1.log`` on rank 1."""
+    if path is None:
+        return None
+    if str(path) == "-":
+        return "-" if shard.is_root else None
+    return str(shard_path(path, shard.rank)) if shard.rank else str(path)
 
 
 def _evaluated(

@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ase import Atoms
 
+    from nvalchemi_ase.runners.distributed import Shard
+
 
 __all__ = [
     "Frames",
     "Sink",
     "failed_path",
     "finished_indices",
+    "merge_shards",
     "read_frames",
     "read_results",
     "scan_frames",
@@ -82,11 +85,14 @@ def finished_indices(
         Each index with the ``source`` of its frame's ``info`` (None without
         one; the command line writes ``file@frame`` there).
     """
+    from nvalchemi_ase.runners.distributed import shard_files
+
     failed = failed_path(output) if failures is None else Path(failures)
     found: dict[int, Any] = {}
-    for path in (Path(output), failed):
-        frames = scan_frames(path)
-        found.update(zip(frames.indices, frames.sources, strict=True))
+    for target in (Path(output), failed):
+        for path in [target, *shard_files(target)]:
+            frames = scan_frames(path)
+            found.update(zip(frames.indices, frames.sources, strict=True))
     return found
 
 
@@ -111,49 +117,119 @@ def sort_output(path: str | Path) -> None:
     frames = scan_frames(target)
     if frames.damaged:
         raise ValueError(f"{target}: the last frame is cut off; cannot sort it")
-    order = sorted(range(len(frames.indices)), key=frames.indices.__getitem__)
-    if order == list(range(len(order))):
+    if frames.indices == sorted(frames.indices):
         return
+    _write_in_input_order(target, [(target, frames)])
+
+
+def merge_shards(path: str | Path) -> None:
+    """Merge the shard files of a distributed run into ``path``, in input order.
+
+    ``path``'s own frames (an earlier run's, when resumed) and the complete
+    frames of every shard file (:func:`~nvalchemi_ase.runners.distributed.
+    shard_files`; a frame cut off mid-write is left out) are written, each
+    index once, to a copy renamed over ``path``; the shard files are removed
+    only after that. Frames are moved as text (every digit kept). No shard
+    files: nothing happens.
+
+    Parameters
+    ----------
+    path : str or path
+        The run's output (or failures) file.
+    """
+    from nvalchemi_ase.runners.distributed import shard_files
+
+    target = Path(path)
+    shards = shard_files(target)
+    if not shards:
+        return
+    parts = [(source, scan_frames(source)) for source in [target, *shards]]
+    if any(frames.indices for _, frames in parts):
+        _write_in_input_order(target, parts)
+    for source in shards:
+        source.unlink()
+
+
+def _write_in_input_order(target: Path, parts: list[tuple[Path, Frames]]) -> None:
+    """Write the frames of ``parts`` to ``target`` by index, each index once."""
+    chosen: dict[int, tuple[Path, tuple[int, int]]] = {}
+    for source, frames in parts:
+        for index, span in zip(frames.indices, frames.spans, strict=True):
+            chosen.setdefault(index, (source, span))
     staged = target.with_name(target.name + ".sorting")
-    with target.open("rb") as source, staged.open("wb") as sorted_file:
-        for position in order:
-            start, end = frames.spans[position]
-            source.seek(start)
-            sorted_file.write(source.read(end - start))
+    handles: dict[Path, Any] = {}
+    try:
+        with staged.open("wb") as merged:
+            for index in sorted(chosen):
+                source, (start, end) = chosen[index]
+                if source not in handles:
+                    handles[source] = source.open("rb")
+                handles[source].seek(start)
+                merged.write(handles[source].read(end - start))
+            merged.flush()
+            os.fsync(merged.fileno())
+    finally:
+        for handle in handles.values():
+            handle.close()
     os.replace(staged, target)
 
 
 class Sink:
-    """Appends finished structures to ``output`` / its failures file, flushed."""
+    """Appends finished structures to ``output`` / its failures file, flushed.
+
+    In a distributed run (``shard.parallel``) each rank appends to its shard
+    file (:func:`~nvalchemi_ase.runners.distributed.shard_path`) and
+    :meth:`finish` merges them. Every rank checks the files before any rank
+    writes (a barrier ends the constructor).
+    """
 
     def __init__(
         self,
         output: str | Path | None,
         resume: bool,
         failures: str | Path | None = None,
+        shard: Shard | None = None,
     ) -> None:
+        from nvalchemi_ase.runners.distributed import SINGLE, shard_files, shard_path
+
         self.done: set[int] = set()
         self._files: dict[bool, Any] = {}
+        self._shard = SINGLE if shard is None else shard
         if output is None:
             if failures is not None:
                 raise TypeError("failures= is the failures file of output=; give both")
+            self._targets: dict[bool, Path] = {}
             self._paths: dict[bool, Path] = {}
             return
         path = Path(output)
-        self._paths = {
+        self._targets = {
             False: path,
             True: failed_path(path) if failures is None else Path(failures),
         }
+        self._paths = {
+            failed: shard_path(target, self._shard.rank)
+            if self._shard.parallel
+            else target
+            for failed, target in self._targets.items()
+        }
+        existing = {
+            failed: [target, *shard_files(target)]
+            for failed, target in self._targets.items()
+        }
         if resume:
-            for target in self._paths.values():
-                self.done.update(scan_frames(target, repair=True).indices)
-            return
-        for target in self._paths.values():
-            if target.exists() and target.stat().st_size:
-                raise FileExistsError(
-                    f"{target} exists; pass resume=True to continue that run, or "
-                    "remove it"
-                )
+            for failed, paths in existing.items():
+                for target in paths:
+                    own = target == self._paths[failed]
+                    self.done.update(scan_frames(target, repair=own).indices)
+        else:
+            for paths in existing.values():
+                for target in paths:
+                    if target.exists() and target.stat().st_size:
+                        raise FileExistsError(
+                            f"{target} exists; pass resume=True to continue that "
+                            "run, or remove it"
+                        )
+        self._shard.barrier()
 
     def write(self, atoms: Atoms) -> None:
         """Append one result (failures to the failures file) and flush."""
@@ -177,6 +253,17 @@ class Sink:
         write(text, frame, format="extxyz")
         handle.write(text.getvalue())  # one write per frame
         handle.flush()
+
+    def finish(self) -> None:
+        """After the last result: close, and merge the shard files (rank 0)."""
+        self.close()
+        if not self._targets:
+            return
+        self._shard.barrier()
+        if self._shard.is_root:
+            for target in self._targets.values():
+                merge_shards(target)
+        self._shard.barrier()
 
     def close(self) -> None:
         """Close the files."""

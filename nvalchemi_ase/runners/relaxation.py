@@ -16,19 +16,19 @@ import numpy.typing as npt
 from nvalchemi_ase.runners._common import (
     NO_LIMIT,
     Admission,
+    Run,
     Slot,
-    calculator_for,
     checked_properties,
     failed_atoms,
     final_values,
     in_input_order,
     naming_inputs,
+    opened_run,
     progress_bar,
     quiet_failures,
     result_atoms,
 )
 from nvalchemi_ase.runners.budget import Budget
-from nvalchemi_ase.runners.files import Sink
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -64,6 +64,7 @@ def irelax(
     trajectory: str | None = None,
     series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
     progress: bool | None = None,
+    distributed: bool | None = None,
     **optimizer_kwargs: Any,
 ) -> Iterator[tuple[int, Atoms]]:
     """Relax many structures through a bounded working batch, yielding as each ends.
@@ -115,6 +116,10 @@ def irelax(
         plots; :func:`nvalchemi_ase.plotting.plot_relaxation`).
     progress : bool or None
         Progress bar over structures on standard error; None: only on a terminal.
+    distributed : bool or None
+        Shard the structures across the ranks of a torch.distributed launch
+        (``torchrun``); None: when launched so. See
+        :mod:`nvalchemi_ase.runners.distributed`.
     **optimizer_kwargs
         Passed to the optimizer class (``dt``, ``maxstep``, ``memory``, ...);
         ``device`` and ``dtype`` build the calculator when ``model`` is not one.
@@ -137,35 +142,58 @@ def irelax(
     for reserved in ("logfile", "model", "restart", "append_trajectory"):
         if reserved in optimizer_kwargs:
             raise TypeError(f"irelax() does not take {reserved}=")
-    calc = calculator_for(model, device, dtype)
-    wanted = checked_properties(properties, calc)
     optimizer_class = _optimizer_class(optimizer)
-    budget = Budget.for_calculator(calc, max_atoms, max_edges, max_structures)
-    sink = Sink(output, resume, failures)
-    skin = optimizer_kwargs.get("neighbor_skin")
-    queue = _Queue(structures, sink.done, budget, Admission(calc.model, skin))
-    relaxation = _Runner(
-        calc,
-        optimizer_class,
-        optimizer_kwargs,
-        fmax,
-        steps,
-        budget,
-        cell_filter=cell_filter,
-        stress="stress" in wanted,
-        trajectory=trajectory,
-        series=series,
+    with opened_run(
+        model,
+        distributed=distributed,
+        device=device,
+        dtype=dtype,
+        max_atoms=max_atoms,
+        max_edges=max_edges,
+        max_structures=max_structures,
+        output=output,
+        resume=resume,
+        failures=failures,
+    ) as run:
+        yield from _relaxed(
+            run,
+            structures,
+            _Runner(
+                run.calc,
+                optimizer_class,
+                optimizer_kwargs,
+                fmax,
+                steps,
+                run.budget,
+                cell_filter=cell_filter,
+                stress="stress" in checked_properties(properties, run.calc),
+                trajectory=trajectory,
+                series=series,
+            ),
+            progress,
+        )
+
+
+def _relaxed(
+    run: Run, structures: Iterable[Atoms], relaxation: _Runner, progress: bool | None
+) -> Iterator[tuple[int, Atoms]]:
+    """Run the working batch over this rank's structures, writing each result."""
+    skin = relaxation.optimizer_kwargs.get("neighbor_skin")
+    queue = _Queue(
+        run.shard.numbered(structures),
+        run.sink.done,
+        run.budget,
+        Admission(run.calc.model, skin),
     )
-    bar = progress_bar(progress, "relax", structures, skipped=len(sink.done))
+    bar = progress_bar(progress, "relax", structures, run)
     try:
         for index, atoms in relaxation.run(queue):
-            sink.write(atoms)
+            run.sink.write(atoms)
             if bar is not None:
                 bar.step(f"in flight {relaxation.in_flight}")
             yield index, atoms
     finally:
         relaxation.close()
-        sink.close()
         if bar is not None:
             bar.close()
 
@@ -196,12 +224,12 @@ class _Queue:
 
     def __init__(
         self,
-        structures: Iterable[Atoms],
+        numbered: Iterable[tuple[int, Atoms]],
         skip: set[int],
         budget: Budget,
         admission: Admission,
     ) -> None:
-        self._source = enumerate(structures)
+        self._source = iter(numbered)
         self._skip = skip
         self._budget = budget
         self._admission = admission
