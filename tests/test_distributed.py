@@ -266,3 +266,53 @@ def test_the_cli_under_torchrun_writes_what_it_writes_alone(tmp_path):
         )
     leftovers = [p.name for p in (tmp_path / "two").iterdir() if "partial" in p.name]
     assert leftovers == []
+
+
+@pytest.mark.slow
+def test_cli_md_under_torchrun_ends_where_it_ends_alone(tmp_path):
+    """NVE from the same seeded velocities: every final state equal; one log a rank."""
+    write(tmp_path / "in.extxyz", mixed(12), format="extxyz")
+    options = ["--model", "lj", "--device", "cpu", "--dtype", "float64"]
+    md_options = ["--ensemble", "nve", "--steps", "20", "--interval", "5"]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nvalchemi_ase",
+            "md",
+            "in.extxyz",
+            *options,
+            *md_options,
+            "-o",
+            "one",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    torchrun(
+        "-m",
+        "nvalchemi_ase",
+        "md",
+        "in.extxyz",
+        *options,
+        *md_options,
+        "-o",
+        "two",
+        cwd=tmp_path,
+    )
+    one = read(tmp_path / "one/final.extxyz", ":")
+    two = read(tmp_path / "two/final.extxyz", ":")
+    assert [a.info["source"] for a in two] == [a.info["source"] for a in one]
+    for alone, sharded in zip(one, two, strict=True):
+        assert np.allclose(sharded.positions, alone.positions, atol=FILE_ATOL)
+        assert np.allclose(sharded.get_momenta(), alone.get_momenta(), atol=FILE_ATOL)
+        assert sharded.get_potential_energy() == pytest.approx(
+            alone.get_potential_energy(), abs=ENERGY_ATOL
+        )
+    logs = sorted(p.name for p in (tmp_path / "two").glob("*.log"))
+    assert logs == ["md.log", "md.rank1.log"]
+    assert not list((tmp_path / "two").glob("*partial*"))
