@@ -71,12 +71,12 @@ class Counting:
 
 
 @pytest.mark.parametrize(
-    "largest",
-    [30, pytest.param(100, marks=pytest.mark.slow)],
-    ids=["up-to-30-atoms", "up-to-100-atoms"],
+    ("count", "largest"),
+    [(64, 30), pytest.param(300, 200, marks=pytest.mark.slow)],
+    ids=["64-up-to-30-atoms", "300-up-to-200-atoms"],
 )
-def test_many_mixed_structures_refilled_each_end_as_alone(calc, largest):
-    images = mixed(64, largest=largest)
+def test_many_mixed_structures_refilled_each_end_as_alone(calc, count, largest):
+    images = mixed(count, largest=largest)
     before = _snapshot(images)
     stream = Counting(images)
     in_flight = []
@@ -88,7 +88,7 @@ def test_many_mixed_structures_refilled_each_end_as_alone(calc, largest):
         in_flight.append(stream.pulled - len(by_index))
         assert atoms.info["failure"] is None
         assert atoms.info["converged"] is True
-    assert sorted(by_index) == list(range(64))
+    assert sorted(by_index) == list(range(count))
     assert list(by_index) != sorted(by_index)  # finish order, not input order
     assert max(in_flight) < 40  # bounded working batch (one read ahead)
     worst = 0.0
@@ -725,3 +725,17 @@ def test_five_thousand_frames_stream_with_memory_bounded_by_the_chunk(calc, tmp_
     # one chunk in flight and the next being read, never the file
     assert alive["most"] <= 2 * chunk + 1
     assert len(finished_indices(output)) == count
+
+
+def test_progress_reports_structures_converged_failed_and_rate(calc, capsys):
+    images = mixed(6, largest=12)
+    images.append(bulk("Ar", "fcc", a=A_AR) * (5, 5, 4))  # over the budget: fails
+    results = relax(
+        images, calc, optimizer="FIRE", fmax=FMAX, max_atoms=60, progress=True
+    )
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    failed = sum(a.info["failure"] is not None for a in results)
+    assert failed == 1
+    assert last.startswith("relax: 7/7 structures")
+    assert "structures/s" in last or "s/structure" in last
+    assert f"converged {sum(a.info['converged'] for a in results)}, failed 1" in last

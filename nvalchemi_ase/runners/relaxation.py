@@ -186,11 +186,17 @@ def _relaxed(
         Admission(run.calc.model, skin),
     )
     bar = progress_bar(progress, "relax", structures, run)
+    converged = failed = 0
     try:
         for index, atoms in relaxation.run(queue):
             run.sink.write(atoms)
+            converged += bool(atoms.info["converged"])
+            failed += atoms.info["failure"] is not None
             if bar is not None:
-                bar.step(f"in flight {relaxation.in_flight}")
+                bar.step(
+                    f"converged {converged}, failed {failed}, "
+                    f"in flight {relaxation.in_flight}"
+                )
             yield index, atoms
     finally:
         relaxation.close()
