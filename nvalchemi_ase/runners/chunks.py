@@ -6,7 +6,8 @@ uninterrupted run's chunks (see :mod:`nvalchemi_ase.runners`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from nvalchemi_ase.runners._common import (
 )
 from nvalchemi_ase.runners.budget import Budget
 from nvalchemi_ase.runners.files import Sink
+from nvalchemi_ase.runners.restart import ChunkRestart, RunStopped
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -153,6 +155,9 @@ def imd(
     loginterval: int = 1,
     series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
     progress: bool | None = False,
+    restart: str | Path | None = None,
+    restart_interval: int | None = None,
+    stop: Callable[[], bool] | None = None,
     **kwargs: Any,
 ) -> Iterator[tuple[int, Atoms]]:
     """Run ``steps`` MD steps on every structure, in chunks within the budget.
@@ -202,11 +207,32 @@ def imd(
         ``pressure_gpa``; see :class:`~nvalchemi_ase.dynamics.recorder.Recorder`).
     progress : bool or None
         A progress bar per chunk on standard error; None: only on a terminal.
+    restart : str or path, optional
+        Checkpoint of the chunk in flight (see
+        :mod:`~nvalchemi_ase.runners.restart`): written every
+        ``restart_interval`` steps, at the end of the chunk's run and on a
+        stop, removed once the chunk's results are written. If it exists, the
+        run continues from it (``resume=True`` implied): the first chunk not
+        fully written goes on from the checkpoint's step instead of its start.
+    restart_interval : int, optional
+        Steps between checkpoint writes (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
+    stop : callable, optional
+        Asked after every step (and before every chunk); when it returns True
+        the chunk in flight writes its checkpoint (with ``restart``), every
+        file is flushed and closed, and :class:`RunStopped` is raised (its
+        ``step`` and ``checkpoint`` say where). A stop asked for at the last
+        step lets the chunk finish and write its results first.
     **kwargs
         Passed to the MD class (``temperature_K``, ``friction``, ...): scalars
         only, since chunks differ in size. ``seed`` is offset by the chunk
         number, so chunks draw different noise (stochastic paths therefore
         depend on the chunking).
+
+    Raises
+    ------
+    RunStopped
+        When ``stop()`` returned True.
 
     Yields
     ------
@@ -226,7 +252,12 @@ def imd(
     calc = calculator_for(model, None, None)
     wanted = checked_properties(properties, calc)
     budget = Budget.for_calculator(calc, max_atoms, None, max_structures)
-    sink = Sink(output, resume, failures)
+    checkpoint = (
+        None if restart is None else ChunkRestart(Path(restart), restart_interval)
+    )
+    sink = Sink(
+        output, resume or (checkpoint is not None and checkpoint.exists()), failures
+    )
     seed = kwargs.pop("seed", None)
     admission = Admission(calc.model, kwargs.get("neighbor_skin"))
     run = _MDChunk(
@@ -241,14 +272,22 @@ def imd(
         loginterval=loginterval,
         series=series,
         progress=progress,
+        restart=checkpoint,
+        stop=stop,
     )
     chunks = _resumed_chunks(structures, budget, admission, sink.done, numbered=True)
     try:
         for number, chunk in chunks:
+            if stop is not None and stop():
+                raise RunStopped(None, None)
             chunk_seed = None if seed is None else int(seed) + number
             for atoms in run(chunk, chunk_seed, sink.done):
                 sink.write(atoms)
                 yield int(atoms.info["index"]), atoms
+            if checkpoint is not None:
+                checkpoint.written()  # after the results it protected
+        if checkpoint is not None:
+            checkpoint.written()  # every chunk written: a file left is stale
     finally:
         sink.close()
 
@@ -268,9 +307,12 @@ def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
     Returns
     -------
     list of ase.Atoms
-        Final states in input order (with ``resume=True`` those found in
-        ``output`` are read back from it).
+        Final states in input order (with ``resume=True``, or a ``restart``
+        file to continue from, those found in ``output`` are read back from it).
     """
+    restart = kwargs.get("restart")
+    if restart is not None and Path(restart).exists():
+        kwargs["resume"] = True  # as imd() implies
     return in_input_order(imd(structures, model, **kwargs), kwargs)
 
 
@@ -342,6 +384,8 @@ class _MDChunk:
         loginterval: int,
         series: dict[int, dict[str, npt.NDArray[np.float64]]] | None,
         progress: bool | None,
+        restart: ChunkRestart | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.md_class = md_class
         self.calc = calc
@@ -354,6 +398,8 @@ class _MDChunk:
         self.loginterval = loginterval
         self.series = series
         self.progress = progress
+        self.restart = restart
+        self.stop = stop
 
     def __call__(
         self, chunk: list[_Entry], seed: int | None, done: set[int]
@@ -365,7 +411,7 @@ class _MDChunk:
         values: dict[int, dict[str, Any]] = {}
         if run:
             with naming_inputs([slot.index for slot in run]):
-                values, failures = self._run(run, seed)
+                values, failures = self._run(run, seed, done)
             reasons |= failures
         out = []
         for slot in slots:
@@ -380,7 +426,7 @@ class _MDChunk:
         return out
 
     def _run(
-        self, run: list[Slot], seed: int | None
+        self, run: list[Slot], seed: int | None, done: set[int]
     ) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
         from nvalchemi_ase.dynamics.recorder import Recorder
         from nvalchemi_ase.dynamics.trajectory import expand_template
@@ -397,6 +443,9 @@ class _MDChunk:
             for path in paths:
                 path.parent.mkdir(parents=True, exist_ok=True)
             extra["trajectory"] = paths  # replaced: a chunk run again starts anew
+        indices = [slot.index for slot in run]
+        if self.restart is not None:
+            extra |= self.restart.arguments(self.restart.continues(indices, done))
         with quiet_failures():
             dyn = self.md_class(
                 [slot.atoms for slot in run],
@@ -411,9 +460,11 @@ class _MDChunk:
                 Recorder(dyn, self.loginterval) if self.series is not None else None
             )
             try:
-                dyn.run(self.steps)
+                stopped = self._advance(dyn, indices)
             finally:
                 dyn.close()
+            if stopped:
+                raise RunStopped(dyn.nsteps, self._written_checkpoint(dyn), indices)
             failures = {run[f.index].index: f for f in dyn.failures}
         for slot in run:
             if slot.index in failures:
@@ -433,6 +484,38 @@ class _MDChunk:
                 }
         values = {slot.index: r for slot, r in zip(run, results, strict=True)}
         return values, {index: f.reason for index, f in failures.items()}
+
+    def _advance(self, dyn: Any, indices: list[int]) -> bool:
+        """Take the chunk's remaining steps; return whether ``stop()`` cut them short.
+
+        A continued chunk starts at its checkpoint's step. On a stop the run
+        is left at a yield, which writes the checkpoint of that step (see
+        :meth:`BatchedDynamics.irun <nvalchemi_ase.md.md.MolecularDynamics.irun>`).
+        """
+        if self.restart is not None:
+            dyn.checkpoint_tags = ChunkRestart.tags(indices)
+        remaining = self.steps - int(dyn.nsteps)
+        if remaining < 0:
+            raise ValueError(
+                f"restart file {dyn.restart}: the chunk is at step {dyn.nsteps}, "
+                f"past steps={self.steps}; continue with the steps of the "
+                "interrupted run"
+            )
+        if self.stop is None:
+            dyn.run(remaining)
+            return False
+        # the generator run() uses (no write-back every step); closed at a stop
+        with contextlib.closing(dyn._irun(remaining, sync_every_step=False)) as steps:
+            for finished in steps:
+                if not finished and self.stop():
+                    return True
+        return False
+
+    def _written_checkpoint(self, dyn: Any) -> Path | None:
+        """Return the checkpoint a stopped chunk left (None without ``restart``)."""
+        if self.restart is None or not self.restart.exists():
+            return None
+        return self.restart.path
 
 
 def _md_class(dynamics: str | type) -> type:
