@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+#: SIGTERM/SIGINT end the run cleanly (exit status 75; see cli.signals).
+STOPS_ON_SIGNALS = True
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from nvalchemi_ase.cli.runs import RunState, resumed
     from nvalchemi_ase.runners import isingle_points, sort_output
 
+    args.resume = args.resume or args.restart  # in-flight work starts again
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     output = Path(args.output)
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     failed = outputs.claim(output.with_name(f"{output.stem}.failed.extxyz"))
     calc = build_calculator(args)  # configuration errors next, before reading
     scanned = scan_inputs(inputs, calc, args, skin=0.0)  # checked, none kept
-    state = RunState(outputs, scanned, done=resumed(args, staged, failed, scanned))
+    done = resumed(args, staged, failed, scanned)
+    state = RunState(outputs, scanned, done=done, signals=args.signals)
     args.run_state = state
     staged.parent.mkdir(parents=True, exist_ok=True)
     with state.running():

@@ -25,6 +25,21 @@ batch cut short is run again whole, so with the same options every number is
 that of an uninterrupted run), and renamed to NAME.EXT when all batches are
 done; existing outputs are replaced only with --overwrite, and an output that
 is an input is refused.
+
+Preemption: the batch in flight writes checkpoint.npz in the output folder
+every --checkpoint-every steps (default 100), atomically; it is removed once
+that batch's structures are in final.partial.extxyz. SIGTERM or SIGINT (a
+scheduler's preemption, Ctrl-C) stops the run at the next step: the
+checkpoint of that step is written, every file flushed and closed, one line
+says where the run stopped, and the exit status is 75 (EX_TEMPFAIL, for a job
+script to requeue on). --restart continues: finished structures are kept (as
+--resume) and the batch in flight goes on from the checkpoint, so the final
+structures and every trajectory frame are those of an uninterrupted run (a
+run killed without warning continues from its last periodic checkpoint, the
+frames written after it cut). On a fresh output folder --restart starts
+afresh, so a job script can always pass it. md.log gets its header again
+where a run continued, and --plot shows what this command ran (a continued
+batch from its checkpoint on).
 """
 
 from __future__ import annotations
@@ -38,7 +53,13 @@ if TYPE_CHECKING:
 
     from nvalchemi_ase.cli.outputs import OutputFiles
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["CHECKPOINT_NAME", "STOPS_ON_SIGNALS", "add_arguments", "run"]
+
+#: The checkpoint of the batch in flight, in the output folder.
+CHECKPOINT_NAME = "checkpoint.npz"
+
+#: SIGTERM/SIGINT stop the run at a step boundary (exit status 75; cli.signals).
+STOPS_ON_SIGNALS = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run by this command",
     )
     add_overwrite_option(parser)
-    add_resume_option(parser)
+    add_resume_option(parser, checkpoints=True)
     add_model_options(parser)
     add_batching_options(parser)
 
@@ -146,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.temperature < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
+    restart = args.restart
+    args.resume = args.resume or restart
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     folder = Path(args.output_dir)
@@ -154,12 +177,13 @@ def run(args: argparse.Namespace) -> int:
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(outputs, folder, len(scanned))
     done = resumed(args, files.final, files.failed, scanned)
-    state = RunState(outputs, scanned, done=done)
+    state = RunState(outputs, scanned, done=done, signals=args.signals)
     args.run_state = state
+    checkpoint = _checkpoint(folder, args)
     folder.mkdir(parents=True, exist_ok=True)
     dynamics, parameters = _dynamics(args)
     series: dict[int, Any] | None = {} if args.plot else None
-    with state.running():
+    with state.running(deferred=True):
         for _, atoms in imd(
             _thermalized(inputs, args.temperature, args.seed),
             calc,
@@ -177,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
             loginterval=args.interval,
             series=series,
             progress=show_progress(args),
+            restart=checkpoint,
+            restart_interval=args.checkpoint_every,
+            stop=args.signals,
             **parameters,
         ):
             state.done += 1
@@ -206,6 +233,30 @@ class _Files:
         self.failed = outputs.claim(self.failed_final)
         self.table = outputs.claim(self.table_final)
         self.plot = outputs.claim(folder / "md.png") if plot else None
+
+
+def _checkpoint(folder: Path, args: argparse.Namespace) -> Path:
+    """Return the checkpoint path; an earlier run's is kept only for --restart.
+
+    Raises
+    ------
+    CommandError
+        If a checkpoint is there and neither --restart (continue from it),
+        --resume (run its batch again from the start) nor --overwrite is given.
+    """
+    from nvalchemi_ase.cli.common import CommandError
+
+    path = folder / CHECKPOINT_NAME
+    if args.restart or not path.exists():
+        return path
+    if not (args.resume or args.overwrite):
+        raise CommandError(
+            f"{path} holds the checkpoint of an interrupted run; pass --restart "
+            "to continue it, --resume to run its batch again from the start, "
+            "--overwrite to discard the run, or move it away"
+        )
+    path.unlink()  # --resume or --overwrite: its batch runs again from the start
+    return path
 
 
 def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:
