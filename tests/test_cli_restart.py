@@ -13,15 +13,18 @@ counter, see :mod:`nvalchemi_ase.dynamics.checkpoint`).
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from ase.io import read, write
 
 from nvalchemi_ase.cli.main import main
 from nvalchemi_ase.cli.signals import REQUEUE_STATUS, SignalInterrupt, StopSignals
 from nvalchemi_ase.runners import finished_indices
+from tests._tolerances import EXACT
 from tests.helpers import signal_when, spawn_slowed_cli
 from tests.test_cli import mixed_argon
 
@@ -119,6 +122,32 @@ def test_md_stopped_by_signal_restarts_to_the_uninterrupted_run(
     _assert_same_md_outputs(folder, reference)
 
 
+@pytest.mark.slow  # ~25 s: a fresh interpreter's imports, then two MD runs
+def test_md_killed_restarts_from_its_last_periodic_checkpoint(
+    md_reference, tmp_path, capsys
+):
+    inputs, reference = md_reference
+    folder = tmp_path / "md"
+    argv = ["md", str(inputs), "-o", str(folder), *MD, "--restart"]
+    process = spawn_slowed_cli(tmp_path, argv, step_s=0.05)
+    in_flight = _in_second_batch(folder)
+    checkpoint = folder / "checkpoint.npz"
+    seen: list[float] = []
+
+    def past_a_checkpoint() -> bool:
+        # a few steps past the second batch's first checkpoint (step 7): the
+        # frames written after it are in the files and must be cut
+        if not seen and in_flight() and checkpoint.exists():
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 0.3
+
+    status, _ = signal_when(process, past_a_checkpoint, signal.SIGKILL)
+    assert status == -signal.SIGKILL
+    assert checkpoint.exists()
+    assert main(argv) == 0, capsys.readouterr().err
+    _assert_same_md_outputs(folder, reference)
+
+
 def test_md_restart_on_a_fresh_folder_runs_from_the_start(md_reference, tmp_path):
     inputs, reference = md_reference
     folder = tmp_path / "fresh"
@@ -167,6 +196,39 @@ def test_calc_stopped_by_sigterm_flushes_and_restarts(tmp_path, capsys):
 
     assert main(argv) == 0, capsys.readouterr().err
     assert output.read_text() == reference.read_text()
+
+
+@pytest.mark.slow  # ~30 s: two relaxations and a fresh interpreter's imports
+def test_relax_stopped_by_sigterm_flushes_and_restarts(tmp_path, capsys):
+    inputs = tmp_path / "in.extxyz"
+    count = 16
+    write(inputs, mixed_argon(count))
+    settings = ["--optimizer", "BFGS", "--fmax", "0.01", "--batch-size", "4", *LJ]
+    reference = tmp_path / "reference.extxyz"
+    assert main(["relax", str(inputs), "-o", str(reference), *settings]) == 0
+
+    output = tmp_path / "relaxed.extxyz"
+    staged = tmp_path / "relaxed.partial.extxyz"
+    argv = ["relax", str(inputs), "-o", str(output), *settings, "--restart"]
+    process = spawn_slowed_cli(tmp_path, argv)
+    ready = lambda: staged.exists() and len(finished_indices(staged)) >= 4  # noqa: E731
+    status, err = signal_when(process, ready, signal.SIGTERM)
+    assert status == REQUEUE_STATUS, err
+    lines = _own_lines(err)
+    assert len(lines) == 1, err
+    assert lines[0].startswith("nvalchemi-ase relax: interrupted by SIGTERM; ")
+    assert lines[0].endswith("(the structures in flight start again)")
+    assert 4 <= len(finished_indices(staged)) < count
+
+    assert main(argv) == 0, capsys.readouterr().err
+    relaxed, expected = read(output, ":"), read(reference, ":")
+    assert [a.info["source"] for a in relaxed] == [a.info["source"] for a in expected]
+    for have, want in zip(relaxed, expected, strict=True):
+        # BFGS follows each structure's own path whatever the batch (round-off)
+        np.testing.assert_allclose(
+            have.positions, want.positions, atol=EXACT[torch.float64]
+        )
+        assert have.info["steps"] == want.info["steps"]
 
 
 def test_handlers_are_installed_for_the_command_only():

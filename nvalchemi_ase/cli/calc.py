@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     calc = build_calculator(args)  # configuration errors next, before reading
     scanned = scan_inputs(inputs, calc, args, skin=0.0)  # checked, none kept
     done = resumed(args, staged, failed, scanned)
-    state = RunState(outputs, scanned, done=done, signals=args.signals)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
     staged.parent.mkdir(parents=True, exist_ok=True)
     with state.running():
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         ):
             state.done += 1
     sort_output(staged)  # in input order already; a no-op check
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
     if not getattr(args, "quiet", False):
         rows = [
             result_row(str(atoms.info["source"]), atoms, atoms.calc.results)

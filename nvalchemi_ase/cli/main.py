@@ -107,14 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with signals.installed() if catching else contextlib.nullcontext():
             return int(module.run(args))
-    except SignalInterrupt as error:  # before the run (reading, checking inputs)
+    except SignalInterrupt as error:  # outside a run (reading, checking inputs)
         if args.debug:
             raise
-        _print_error(
-            args.command,
+        state = getattr(args, "run_state", None)
+        message = (
             f"interrupted by {error.signal_name} before any structure was run; "
-            "rerun the same command to start",
+            "rerun the same command to start"
+            if state is None
+            else str(state.stopped(error.signal_name))
         )
+        _print_error(args.command, message)
         return REQUEUE_STATUS
     except KeyboardInterrupt:
         if args.debug:

@@ -177,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(outputs, folder, len(scanned))
     done = resumed(args, files.final, files.failed, scanned)
-    state = RunState(outputs, scanned, done=done, signals=args.signals)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
     checkpoint = _checkpoint(folder, args)
     folder.mkdir(parents=True, exist_ok=True)
@@ -203,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             progress=show_progress(args),
             restart=checkpoint,
             restart_interval=args.checkpoint_every,
-            stop=args.signals,
+            stop=state.signals,
             **parameters,
         ):
             state.done += 1
@@ -212,7 +214,10 @@ def run(args: argparse.Namespace) -> int:
     failed = write_failure_table(files.failed, files.table)
     if files.plot is not None and series:
         _plot(series, scanned.labels, files.plot, args.ensemble)
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
+    for stale in folder.glob(f".{CHECKPOINT_NAME}.*.tmp"):  # a write cut by kill -9
+        stale.unlink()
     note = f"; {failed} failed (see {files.table_final})" if failed else ""
     say(
         args,

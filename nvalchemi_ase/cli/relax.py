@@ -132,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(args, outputs, len(scanned))
     done = resumed(args, files.staged, files.failed, scanned)
-    state = RunState(outputs, scanned, done=done, signals=args.signals)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
     series: dict[int, Any] | None = {} if args.plot else None
     with state.running():
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
             if atoms.info["failure"] is not None:
                 report_failure(args.command, atoms, files.failed_final)
     failed = files.finish(series, scanned.labels, args.optimizer)
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
     converged = _summary(args, output, files.failed_final)
     note = (
         f"; {failed} failed (see {files.failed_final}, {files.table_final})"

@@ -104,6 +104,12 @@ class RunState:
             f"rerun the same command with --restart to continue{lost}"
         )
 
+    def finishing(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block (outputs moved into place), a signal waits for its end."""
+        if self.signals is None:
+            return contextlib.nullcontext()
+        return self.signals.deferring()
+
     @contextlib.contextmanager
     def running(self, *, deferred: bool = False) -> Iterator[None]:
         """Run the structures; errors name the working batch and its input frames.
