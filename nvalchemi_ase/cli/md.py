@@ -167,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.temperature < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
-    restart = args.restart
-    args.resume = args.resume or restart
+    args.resume = args.resume or args.restart  # --restart is --resume and more
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     folder = Path(args.output_dir)
