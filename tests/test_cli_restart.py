@@ -239,8 +239,10 @@ def test_handlers_are_installed_for_the_command_only():
         assert signal.getsignal(signal.SIGTERM) == signals._handle
         with signals.deferring():
             signal.raise_signal(signal.SIGTERM)  # asks for a stop, raises nothing
-        assert signals()
-        assert signals.received == "SIGTERM"
+            assert signals()
+            assert signals.received == "SIGTERM"
+            with pytest.raises(SignalInterrupt):  # a second one: at once
+                signal.raise_signal(signal.SIGINT)
         with pytest.raises(SignalInterrupt):  # outside a deferring run: at once
             signal.raise_signal(signal.SIGINT)
     assert {number: signal.getsignal(number) for number in numbers} == before
@@ -251,3 +253,15 @@ def test_checkpoint_every_default_is_the_dynamics_default():
     from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL
 
     assert CHECKPOINT_EVERY == DEFAULT_RESTART_INTERVAL
+
+
+def test_md_help_documents_restart_checkpoints_and_the_exit_status(capsys):
+    from nvalchemi_ase.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["md", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--restart" in text
+    assert "--checkpoint-every N" in text
+    assert "(default: 100," in text
+    assert f"exits with status {REQUEUE_STATUS}" in text
