@@ -128,7 +128,7 @@ def test_md_killed_restarts_from_its_last_periodic_checkpoint(
 ):
     inputs, reference = md_reference
     folder = tmp_path / "md"
-    argv = ["md", str(inputs), "-o", str(folder), *MD, "--restart"]
+    argv = ["md", str(inputs), "-o", str(folder), *MD, "--restart", "--plot"]
     process = spawn_slowed_cli(tmp_path, argv, step_s=0.05)
     in_flight = _in_second_batch(folder)
     checkpoint = folder / "checkpoint.npz"
@@ -146,6 +146,7 @@ def test_md_killed_restarts_from_its_last_periodic_checkpoint(
     assert checkpoint.exists()
     assert main(argv) == 0, capsys.readouterr().err
     _assert_same_md_outputs(folder, reference)
+    assert (folder / "md.png").stat().st_size > 0  # the continued batch from step 7
 
 
 def test_md_restart_on_a_fresh_folder_runs_from_the_start(md_reference, tmp_path):

@@ -329,19 +329,27 @@ def _dynamics(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def _plot(
     series: dict[int, Any], labels: Sequence[str], path: Path, ensemble: str
 ) -> None:
-    """Every structure run by this command in one figure (same steps for all)."""
+    """Every structure run by this command in one figure.
+
+    Structures share the steps of one grid (the union of their samples); a
+    batch continued from a checkpoint (``--restart``) has samples only from
+    its checkpoint on, NaN (a gap in its lines) before.
+    """
     import numpy as np
 
     from nvalchemi_ase import plotting
 
     indices = sorted(series)
-    first = series[indices[0]]
-    arrays = {
-        key: first[key]  # the same steps for every structure
-        if key in ("step", "time_ps")
-        else np.stack([series[i][key] for i in indices], axis=1)
-        for key in first
-    }
+    steps = np.unique(np.concatenate([series[i]["step"] for i in indices]))
+    arrays: dict[str, Any] = {"step": steps, "time_ps": np.full(len(steps), np.nan)}
+    for column, index in enumerate(indices):
+        rows = np.searchsorted(steps, series[index]["step"])
+        arrays["time_ps"][rows] = series[index]["time_ps"]
+        for key, values in series[index].items():
+            if key in ("step", "time_ps"):
+                continue
+            grid = arrays.setdefault(key, np.full((len(steps), len(indices)), np.nan))
+            grid[rows, column] = values
     plotting.plot_md(
         arrays,
         path,
