@@ -33,6 +33,7 @@ __all__ = [
     "eager_call",
     "engine_state",
     "ensure_bookkeeping_fields",
+    "ensure_substage_states",
     "frozen_category",
     "load_neighbor_hook_state",
     "make_state_batch",
@@ -89,6 +90,13 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         "_ensure_bookkeeping_fields",
         ("batch",),
         "FusedStage's status columns before the first step (relax + MD)",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "BaseDynamics",
+        "_ensure_state_initialized",
+        ("batch",),
+        "a FusedStage sub-stage's state before its first step (fused restart)",
     ),
     PrivateMember(
         "nvalchemi.dynamics.base",
@@ -200,6 +208,16 @@ def prime_engine(engine: BaseDynamics, batch: Batch) -> None:
 def ensure_bookkeeping_fields(engine: BaseDynamics, batch: Batch) -> None:
     """Give ``batch`` the ``status`` (and per-stage counter) columns now."""
     engine._ensure_bookkeeping_fields(batch)
+
+
+def ensure_substage_states(engine: Any, batch: Batch) -> None:
+    """Build each sub-stage's lazy per-structure state of a ``FusedStage`` now.
+
+    nvalchemi builds it at the first ``step``; a run continued from a checkpoint
+    needs it right after priming, to load the saved state into it.
+    """
+    for _, sub_stage in engine.sub_stages:
+        sub_stage._ensure_state_initialized(batch)
 
 
 def eager_call(compiled: Any) -> Any:

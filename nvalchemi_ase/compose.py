@@ -19,6 +19,7 @@ Both parts describe their engines through the engine protocol of
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from nvalchemi_ase._compat import ensure_bookkeeping_fields
+from nvalchemi_ase._compat import ensure_bookkeeping_fields, ensure_substage_states
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
@@ -60,9 +61,16 @@ class RelaxThenMD(BatchedDynamics):
         every structure, whatever its stage. The log has one line per logged
         step: counts per stage, mean potential energy per atom and mean
         temperature of the structures in MD.
+    restart, restart_interval, append_trajectory
+        As for :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`: an
+        existing checkpoint is continued from, bit for bit (each structure's
+        stage, both engines' states and step counters, the per-stage step
+        counts and the momenta each structure enters MD with).
     """
 
     _entry_velocities: torch.Tensor
+    #: Checkpoint extras for the fused engine, loaded once it is primed.
+    _pending_fused: dict[str, npt.NDArray[Any]] | None = None
 
     def __init__(
         self,
@@ -74,6 +82,9 @@ class RelaxThenMD(BatchedDynamics):
         trajectory: TrajectoryLike = None,
         logfile: LogfileLike = None,
         loginterval: int = 1,
+        append_trajectory: bool = False,
+        restart: str | os.PathLike[str] | None = None,
+        restart_interval: int | None = None,
     ) -> None:
         _check_parts(optimizer, md)
         if not fmax > 0:
@@ -92,9 +103,12 @@ class RelaxThenMD(BatchedDynamics):
             device=md.setup.device,
             dtype=md.setup.dtype,
             neighbor_skin=min(optimizer.neighbor_skin, md.neighbor_skin),
+            append_trajectory=append_trajectory,
+            restart=restart,
+            restart_interval=restart_interval,
         )
         ensure_bookkeeping_fields(self.engine, self.batch)
-        self.batch["status"].zero_()
+        self.batch["status"].zero_()  # a checkpoint's comes back after priming
 
     # -- ASE API ---------------------------------------------------------------
 
@@ -199,7 +213,83 @@ class RelaxThenMD(BatchedDynamics):
         return outputs
 
     def _momenta_mask(self) -> npt.NDArray[np.bool_]:
+        if "status" not in self.batch:  # restoring, before the engine's columns
+            return np.zeros(len(self.images), dtype=bool)
         return self.stage >= RUNNING_MD
+
+    # -- checkpoints (restart=) ------------------------------------------------
+
+    def _checkpoint_extras(self) -> dict[str, npt.NDArray[Any]]:
+        """Return the base extras and the fused engine's (entry momenta, counters)."""
+        extras = super()._checkpoint_extras()
+        extras["fused/entry_velocities"] = _host(self._entry_velocities)
+        entered = self._entry_hook()._entered
+        if entered is not None:
+            extras["fused/entered"] = _host(entered)
+        for code, sub_stage in self.engine.sub_stages:
+            counter = f"n_steps_counter_{code}"
+            if counter in self.batch:
+                extras[f"fused/{counter}"] = _host(self.batch[counter])
+            state = sub_stage.state_dict()
+            extras[f"fused/{code}/step_count"] = np.asarray(state["step_count"])
+            if state.get("random_seed") is not None:
+                extras[f"fused/{code}/random_seed"] = np.asarray(state["random_seed"])
+            for key, value in state["state"].items():
+                extras[f"fused/{code}/state/{key}"] = _host(value)
+        return extras
+
+    def _restore_checkpoint_extras(self, extras: dict[str, npt.NDArray[Any]]) -> None:
+        """Take the entry momenta now, the engine's state once it is primed."""
+        super()._restore_checkpoint_extras(extras)
+        fused = {
+            key.removeprefix("fused/"): value
+            for key, value in extras.items()
+            if key.startswith("fused/")
+        }
+        if "entry_velocities" in fused:
+            with torch.no_grad():
+                self._entry_velocities.copy_(
+                    torch.as_tensor(fused["entry_velocities"]).to(
+                        self._entry_velocities
+                    )
+                )
+        self._pending_fused = fused
+
+    def _after_priming(self) -> None:
+        super()._after_priming()
+        fused, self._pending_fused = self._pending_fused, None
+        if fused is None:
+            return
+        batch, device = self.batch, self.batch.device
+        ensure_bookkeeping_fields(self.engine, batch)
+        ensure_substage_states(self.engine, batch)
+        for code, sub_stage in self.engine.sub_stages:
+            counter = f"n_steps_counter_{code}"
+            if counter in fused and counter in batch:
+                with torch.no_grad():
+                    batch[counter].copy_(torch.as_tensor(fused[counter], device=device))
+            prefix = f"{code}/state/"
+            state: dict[str, Any] = {
+                "step_count": int(fused.get(f"{code}/step_count", 0)),
+                "state": {
+                    key.removeprefix(prefix): torch.as_tensor(value, device=device)
+                    for key, value in fused.items()
+                    if key.startswith(prefix)
+                },
+            }
+            if f"{code}/random_seed" in fused:
+                state["random_seed"] = int(fused[f"{code}/random_seed"])
+            sub_stage.load_state_dict(state)
+        if "entered" in fused:
+            self._entry_hook()._entered = torch.as_tensor(
+                fused["entered"], device=device
+            )
+
+    def _entry_hook(self) -> _EnterMDWithInitialMomenta:
+        for hook in self.engine.hooks:
+            if isinstance(hook, _EnterMDWithInitialMomenta):
+                return hook
+        raise RuntimeError("RelaxThenMD: the engine lost its MD entry hook")
 
     def _failed_status(self) -> int:
         return FINISHED
@@ -263,6 +353,10 @@ class _EnterMDWithInitialMomenta:
             velocities = batch.velocities
             velocities.copy_(torch.where(entering[:, None], self._initial, velocities))
         self._entered = self._entered | in_md
+
+
+def _host(value: torch.Tensor) -> npt.NDArray[Any]:
+    return value.detach().cpu().numpy().copy()
 
 
 def _check_parts(optimizer: Any, md: Any) -> None:

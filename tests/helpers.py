@@ -2,8 +2,94 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 import numpy as np
+import pytest
 from ase import Atoms
+
+import nvalchemi_ase
+
+#: The command line with a slowed-down model: each dynamics step and each
+#: batched evaluation sleeps first, so a signal lands while the run writes.
+#: ``SLOW_STEP_S`` in the environment sets the sleep per step (default 0.01 s).
+SLOWED = """
+import os, sys, time
+from nvalchemi_ase.calculator import NVAlchemiCalculator
+from nvalchemi_ase.dynamics.base import BatchedDynamics
+
+def slowed(method, seconds):
+    def call(*args, **kwargs):
+        time.sleep(seconds)
+        return method(*args, **kwargs)
+    return call
+
+step = float(os.environ.get("SLOW_STEP_S", "0.01"))
+BatchedDynamics._advance = slowed(BatchedDynamics._advance, step)
+NVAlchemiCalculator.calculate_batch = slowed(NVAlchemiCalculator.calculate_batch, 0.1)
+from nvalchemi_ase.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def spawn_slowed_cli(
+    tmp_path: Path, argv: list[str], step_s: float = 0.01
+) -> subprocess.Popen:
+    """Start ``nvalchemi-ase ARGV`` with a slowed model (:data:`SLOWED`) in a fresh
+    interpreter that imports this checkout's package; stderr is piped."""
+    script = tmp_path / "slowed.py"
+    script.write_text(SLOWED)
+    package_root = str(Path(nvalchemi_ase.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": package_root, "SLOW_STEP_S": str(step_s)}
+    return subprocess.Popen(
+        [sys.executable, str(script), *argv],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def signal_when(
+    process: subprocess.Popen,
+    ready: Callable[[], bool],
+    signum: int = signal.SIGKILL,
+    timeout: float = 300.0,
+) -> tuple[int, str]:
+    """Send ``signum`` to ``process`` as soon as ``ready()``; fail if it ended first.
+
+    Returns
+    -------
+    (int, str)
+        The process's exit status and its standard error.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            if process.poll() is not None:
+                pytest.fail(
+                    f"the run ended (status {process.returncode}) before the "
+                    f"signal: {process.stderr.read() if process.stderr else ''}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail("the run wrote nothing in time")
+            time.sleep(0.02)
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=120)
+        return process.returncode, err or ""
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
+        if process.stderr is not None:
+            process.stderr.close()
 
 
 def snapshot(atoms: Atoms) -> dict:

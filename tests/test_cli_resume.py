@@ -10,11 +10,8 @@ than a working batch holds, whatever the number of inputs.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 import weakref
 from pathlib import Path
 
@@ -23,71 +20,18 @@ import pytest
 from ase.build import bulk
 from ase.io import read, write
 
-import nvalchemi_ase
 from nvalchemi_ase.cli.main import main
 from nvalchemi_ase.runners import finished_indices
-from tests.helpers import frames_by_index
+from tests.helpers import frames_by_index, signal_when, spawn_slowed_cli
 from tests.test_cli import mixed_argon
 
 LJ = ["--model", "lj", "--dtype", "float64", "--device", "cpu", "--quiet"]
 
-#: The command line with a slowed-down model: each dynamics step and each
-#: batched evaluation sleeps first, so a kill lands while the run writes.
-SLOWED = """
-import sys, time
-from nvalchemi_ase.calculator import NVAlchemiCalculator
-from nvalchemi_ase.dynamics.base import BatchedDynamics
 
-def slowed(method, seconds):
-    def call(*args, **kwargs):
-        time.sleep(seconds)
-        return method(*args, **kwargs)
-    return call
-
-BatchedDynamics._advance = slowed(BatchedDynamics._advance, 0.01)
-NVAlchemiCalculator.calculate_batch = slowed(NVAlchemiCalculator.calculate_batch, 0.1)
-from nvalchemi_ase.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def _spawn(tmp_path: Path, argv: list[str]) -> subprocess.Popen:
-    script = tmp_path / "slowed.py"
-    script.write_text(SLOWED)
-    package_root = str(Path(nvalchemi_ase.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": package_root}
-    return subprocess.Popen(
-        [sys.executable, str(script), *argv],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _kill_when(process: subprocess.Popen, ready, timeout: float = 300.0) -> None:
+def _kill_when(process: subprocess.Popen, ready) -> None:
     """SIGKILL ``process`` as soon as ``ready()``; fail if it ended first."""
-    deadline = time.monotonic() + timeout
-    try:
-        while not ready():
-            if process.poll() is not None:
-                pytest.fail(
-                    f"the run ended (status {process.returncode}) before it could "
-                    f"be killed: {process.stderr.read() if process.stderr else ''}"
-                )
-            if time.monotonic() > deadline:
-                pytest.fail("the run wrote nothing in time")
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=60)
-        assert process.returncode == -signal.SIGKILL
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=60)
-        if process.stderr is not None:
-            process.stderr.close()
+    status, _ = signal_when(process, ready, signal.SIGKILL)
+    assert status == -signal.SIGKILL
 
 
 def _written(path: Path, at_least: int):
@@ -117,7 +61,7 @@ def test_relax_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, caps
     output = tmp_path / "relaxed.extxyz"
     staged = tmp_path / "relaxed.partial.extxyz"
     argv = ["relax", str(inputs), "-o", str(output), *settings]
-    _kill_when(_spawn(tmp_path, argv), _written(staged, 6))
+    _kill_when(spawn_slowed_cli(tmp_path, argv), _written(staged, 6))
     assert not output.exists()
     kept = frames_by_index(staged)
     assert 6 <= len(kept) < count
@@ -155,7 +99,7 @@ def test_calc_killed_mid_run_resumes_to_the_uninterrupted_file(tmp_path, capsys)
     output = tmp_path / "calc.extxyz"
     staged = tmp_path / "calc.partial.extxyz"
     argv = ["calc", str(inputs), "-o", str(output), *settings]
-    _kill_when(_spawn(tmp_path, argv), _written(staged, 5))
+    _kill_when(spawn_slowed_cli(tmp_path, argv), _written(staged, 5))
     kept = frames_by_index(staged)
     assert 5 <= len(kept) < count
     assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
@@ -196,7 +140,7 @@ def test_md_killed_mid_run_resumes_to_the_uninterrupted_trajectories(tmp_path, c
     output = tmp_path / "md"
     staged = output / "final.partial.extxyz"
     argv = ["md", str(inputs), "-o", str(output), *settings]
-    _kill_when(_spawn(tmp_path, argv), _written(staged, 3))
+    _kill_when(spawn_slowed_cli(tmp_path, argv), _written(staged, 3))
     kept = frames_by_index(staged)
     assert 3 <= len(kept) < count
     assert main([*argv, "--resume"]) == 0, capsys.readouterr().err

@@ -79,3 +79,37 @@ def test_composition_checks_its_parts(lj_calc64):
         FIRE2(images, logfile=None) + VelocityVerlet(others, units.fs)
     with pytest.raises(TypeError, match="optimizer followed by"):
         FIRE2(images, logfile=None).then(FIRE2(images, logfile=None))
+
+
+@pytest.mark.parametrize(
+    ("split", "stages"),
+    [(3, [RUNNING_MD, RELAXING, RELAXING]), (25, [FINISHED, RELAXING, RELAXING])],
+)
+def test_restart_continues_the_fused_run_bit_for_bit(
+    lj_calc64, tmp_path, split, stages
+):
+    from nvalchemi_ase.md import Langevin
+
+    def make(restart=None):
+        images = _images(lj_calc64)
+        md = Langevin(
+            images, 2 * units.fs, temperature_K=30, friction=0.01 / units.fs, seed=4
+        )
+        return FIRE2(images, logfile=None).then(
+            md, fmax=0.01, md_steps=MD_STEPS, restart=restart
+        )
+
+    reference = make()
+    assert reference.run(1000)
+    path = tmp_path / "fused.npz"
+    first = make(path)
+    assert not first.run(split)
+    assert first.stage.tolist() == stages  # mid-MD, then one finished
+    second = make(path)
+    assert second.nsteps == split
+    assert second.run(1000)
+    assert second.nsteps == reference.nsteps
+    np.testing.assert_array_equal(second.stage, reference.stage)
+    for ours, theirs in zip(second.images, reference.images, strict=True):
+        np.testing.assert_array_equal(ours.positions, theirs.positions)
+        np.testing.assert_array_equal(ours.get_momenta(), theirs.get_momenta())

@@ -19,6 +19,7 @@ from ase.io import iread, read, write
 from nvalchemi_ase import NVAlchemiCalculator, optimize
 from nvalchemi_ase.runners import (
     Budget,
+    RunStopped,
     failed_path,
     finished_indices,
     imd,
@@ -630,6 +631,95 @@ def test_md_resumed_writes_the_uninterrupted_seeded_langevin_run(calc, tmp_path)
         for mine, theirs in zip(ours, reference, strict=True):
             assert np.array_equal(mine.positions, theirs.positions)
             assert np.array_equal(mine.get_momenta(), theirs.get_momenta())
+
+
+def _md_settings():
+    from ase import units
+
+    return {
+        "dynamics": "Langevin",
+        "timestep": 2 * units.fs,
+        "steps": 12,
+        "temperature_K": 60.0,
+        "friction": 0.01 / units.fs,
+        "seed": 3,
+        "max_atoms": 40,
+        "loginterval": 2,
+        "restart_interval": 5,
+    }
+
+
+def _stop_after(calls: int):
+    """A ``stop=`` that asks for a stop at its ``calls``-th question."""
+    asked = itertools.count(1)
+    return lambda: next(asked) == calls
+
+
+def test_md_stopped_mid_chunk_restarts_to_the_uninterrupted_run(calc, tmp_path):
+    images = mixed(9, seed=17, largest=30)
+    full = tmp_path / "full.extxyz"
+    md(
+        images,
+        calc,
+        output=full,
+        trajectory=str(tmp_path / "full_{i}.traj"),
+        **_md_settings(),
+    )
+    part, checkpoint = tmp_path / "part.extxyz", tmp_path / "ck.npz"
+    arguments = {
+        "output": part,
+        "trajectory": str(tmp_path / "part_{i}.traj"),
+        "restart": checkpoint,
+        **_md_settings(),
+    }
+    # asked before each chunk, then after steps 0-11 of it: the second chunk
+    # stops at step 8 (frames 0-8 written, past its checkpoint of step 5)
+    with pytest.raises(RunStopped) as stopped:
+        list(imd(images, calc, stop=_stop_after(13 + 1 + 9), **arguments))
+    assert stopped.value.step == 8
+    assert stopped.value.checkpoint == checkpoint
+    written = finished_indices(part)
+    assert sorted(written) == list(range(len(written)))  # the first chunk
+    assert not set(stopped.value.input_indices) & set(written)
+    assert checkpoint.exists()
+
+    results = md(images, calc, **arguments)  # continues: resume=True implied
+    assert not checkpoint.exists()
+    assert part.read_text() == full.read_text()
+    assert [int(a.info["index"]) for a in results] == list(range(len(images)))
+    for index in range(len(images)):
+        ours = read(tmp_path / f"part_{index}.traj", ":")
+        reference = read(tmp_path / f"full_{index}.traj", ":")
+        assert len(ours) == len(reference) == 7
+        for mine, theirs in zip(ours, reference, strict=True):
+            assert np.array_equal(mine.positions, theirs.positions)
+            assert np.array_equal(mine.get_momenta(), theirs.get_momenta())
+
+
+def test_md_checkpoint_of_a_written_chunk_is_dropped_another_refused(calc, tmp_path):
+    from nvalchemi_ase.dynamics.checkpoint import CheckpointError
+
+    images = mixed(6, seed=19, largest=30)
+    part, checkpoint = tmp_path / "part.extxyz", tmp_path / "ck.npz"
+    arguments = {"output": part, "restart": checkpoint, **_md_settings()}
+    with pytest.raises(RunStopped):  # the second chunk, at step 3
+        list(imd(images, calc, stop=_stop_after(13 + 1 + 4), **arguments))
+    kept = checkpoint.read_bytes()
+    first = sorted(finished_indices(part))
+
+    # as if killed after the second chunk's results, before the file's removal
+    md(images, calc, **{**arguments, "restart": tmp_path / "other.npz"}, resume=True)
+    stale = part.read_text()
+    checkpoint.write_bytes(kept)
+    md(images, calc, **arguments)  # nothing left to run: the file is dropped
+    assert not checkpoint.exists()
+    assert part.read_text() == stale
+
+    # a checkpoint of a chunk that is not the one in flight is refused
+    part.write_text(frames_by_index(part)[first[0]])  # the first chunk in flight
+    checkpoint.write_bytes(kept)
+    with pytest.raises(CheckpointError, match="extra/tag/input_indices"):
+        md(images, calc, **arguments)
 
 
 def test_md_failure_reports_the_step_it_failed_at(calc):

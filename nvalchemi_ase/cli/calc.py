@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+#: SIGTERM/SIGINT end the run cleanly (exit status 75; see cli.signals).
+STOPS_ON_SIGNALS = True
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from nvalchemi_ase.cli.runs import RunState, on_root, resumed
     from nvalchemi_ase.runners import isingle_points, sort_output
 
+    args.resume = args.resume or args.restart  # in-flight work starts again
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     output = Path(args.output)
@@ -68,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     failed = outputs.claim(output.with_name(f"{output.stem}.failed.extxyz"))
     calc = build_calculator(args)  # configuration errors next, before reading
     scanned = scan_inputs(inputs, calc, args, skin=0.0)  # checked, none kept
-    state = RunState(outputs, scanned, done=resumed(args, staged, failed, scanned))
+    done = resumed(args, staged, failed, scanned)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
     staged.parent.mkdir(parents=True, exist_ok=True)
     with state.running():
@@ -86,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if not on_root(args):
         return 0  # rank 0 moves the merged output into place and prints
     sort_output(staged)  # in input order already; a no-op check
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
     if not getattr(args, "quiet", False):
         rows = [
             result_row(str(atoms.info["source"]), atoms, atoms.calc.results)

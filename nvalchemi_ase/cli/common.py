@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHECKPOINT_EVERY",
     "USER_ERRORS",
     "CommandError",
     "Source",
@@ -132,8 +133,25 @@ def add_overwrite_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_resume_option(parser: argparse.ArgumentParser) -> None:
-    """``--resume``: continue an interrupted run from its ``.partial`` files."""
+#: Default of ``--checkpoint-every``, steps: the dynamics classes' default
+#: ``restart_interval`` (``dynamics.checkpoint.DEFAULT_RESTART_INTERVAL``, not
+#: imported here so that ``--help`` does not load torch; a test keeps them equal).
+CHECKPOINT_EVERY = 100
+
+
+def add_resume_option(
+    parser: argparse.ArgumentParser, *, checkpoints: bool = False
+) -> None:
+    """``--resume`` and ``--restart``: continue an interrupted run.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The command's parser.
+    checkpoints : bool
+        The command writes a checkpoint of the batch in flight (``md``):
+        ``--restart`` continues it and ``--checkpoint-every`` is added.
+    """
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -143,6 +161,36 @@ def add_resume_option(parser: argparse.ArgumentParser) -> None:
         "partial files the run starts from the beginning, so a job script can "
         "always pass it",
     )
+    in_flight = (
+        "and the batch in flight continues from the checkpoint in the output "
+        "folder (written every --checkpoint-every steps and on SIGTERM/SIGINT), "
+        "so the trajectories and results are those of an uninterrupted run"
+        if checkpoints
+        else "(the structures in flight when it stopped are computed again)"
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help=f"as --resume, {in_flight}; on a fresh output the run simply starts, "
+        "so a job script can pass it on the first run and every requeue. A run "
+        f"stopped by SIGTERM or SIGINT exits with status {_requeue_status()}",
+    )
+    if checkpoints:
+        parser.add_argument(
+            "--checkpoint-every",
+            type=positive_int,
+            default=CHECKPOINT_EVERY,
+            metavar="N",
+            help="steps between checkpoint writes of the batch in flight "
+            f"(default: {CHECKPOINT_EVERY}, the dynamics classes' restart_interval; "
+            "each write copies the whole state to the host and syncs it to disk)",
+        )
+
+
+def _requeue_status() -> int:
+    from nvalchemi_ase.cli.signals import REQUEUE_STATUS
+
+    return REQUEUE_STATUS
 
 
 def default_model_name() -> str:

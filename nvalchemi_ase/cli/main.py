@@ -8,6 +8,7 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 from nvalchemi_ase import __version__
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
+from nvalchemi_ase.cli.signals import REQUEUE_STATUS, SignalInterrupt, StopSignals
 
 #: Exit status after Ctrl-C outside a batch (128 + SIGINT).
 _INTERRUPTED = 130
@@ -99,8 +101,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 1
     module = importlib.import_module(args._module)
+    signals = StopSignals()
+    # commands that can be continued stop cleanly on SIGTERM/SIGINT (cli.signals)
+    catching = getattr(module, "STOPS_ON_SIGNALS", False)
+    args.signals = signals if catching else None
     try:
-        return _run_on_every_rank(module, args)
+        with signals.installed() if catching else contextlib.nullcontext():
+            return _run_on_every_rank(module, args)
+    except SignalInterrupt as error:  # outside a run (reading, checking inputs)
+        if args.debug:
+            raise
+        state = getattr(args, "run_state", None)
+        message = (
+            f"interrupted by {error.signal_name} before any structure was run; "
+            "rerun the same command to start"
+            if state is None
+            else str(state.stopped(error.signal_name))
+        )
+        _print_error(args.command, message)
+        return REQUEUE_STATUS
     except KeyboardInterrupt:
         if args.debug:
             raise
@@ -113,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         status = getattr(error, "exit_status", CommandError.exit_status)
         message = " ".join(str(error).split())  # one line, whatever the source
-        prefix = "" if status == _INTERRUPTED else "error: "
+        prefix = "" if status in (_INTERRUPTED, REQUEUE_STATUS) else "error: "
         _print_error(args.command, prefix + message)
         return status
 

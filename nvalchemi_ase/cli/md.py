@@ -25,6 +25,21 @@ batch cut short is run again whole, so with the same options every number is
 that of an uninterrupted run), and renamed to NAME.EXT when all batches are
 done; existing outputs are replaced only with --overwrite, and an output that
 is an input is refused.
+
+Preemption: the batch in flight writes checkpoint.npz in the output folder
+every --checkpoint-every steps (default 100), atomically; it is removed once
+that batch's structures are in final.partial.extxyz. SIGTERM or SIGINT (a
+scheduler's preemption, Ctrl-C) stops the run at the next step: the
+checkpoint of that step is written, every file flushed and closed, one line
+says where the run stopped, and the exit status is 75 (EX_TEMPFAIL, for a job
+script to requeue on). --restart continues: finished structures are kept (as
+--resume) and the batch in flight goes on from the checkpoint, so the final
+structures and every trajectory frame are those of an uninterrupted run (a
+run killed without warning continues from its last periodic checkpoint, the
+frames written after it cut). On a fresh output folder --restart starts
+afresh, so a job script can always pass it. md.log gets its header again
+where a run continued, and --plot shows what this command ran (a continued
+batch from its checkpoint on).
 """
 
 from __future__ import annotations
@@ -39,7 +54,13 @@ if TYPE_CHECKING:
 
     from nvalchemi_ase.cli.outputs import OutputFiles
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["CHECKPOINT_NAME", "STOPS_ON_SIGNALS", "add_arguments", "run"]
+
+#: The checkpoint of the batch in flight, in the output folder.
+CHECKPOINT_NAME = "checkpoint.npz"
+
+#: SIGTERM/SIGINT stop the run at a step boundary (exit status 75; cli.signals).
+STOPS_ON_SIGNALS = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run by this command",
     )
     add_overwrite_option(parser)
-    add_resume_option(parser)
+    add_resume_option(parser, checkpoints=True)
     add_model_options(parser)
     add_batching_options(parser)
 
@@ -153,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.temperature < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
+    args.resume = args.resume or args.restart  # --restart is --resume and more
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     folder = Path(args.output_dir)
@@ -161,12 +183,15 @@ def run(args: argparse.Namespace) -> int:
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(outputs, folder, len(scanned))
     done = resumed(args, files.final, files.failed, scanned)
-    state = RunState(outputs, scanned, done=done)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
+    checkpoint = _checkpoint(folder, args)
     folder.mkdir(parents=True, exist_ok=True)
     dynamics, parameters = _dynamics(args)
     series: dict[int, Any] | None = {} if args.plot else None
-    with state.running():
+    with state.running(deferred=True):
         for _, atoms in imd(
             _thermalized(inputs, args.temperature, args.seed),
             calc,
@@ -184,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
             loginterval=args.interval,
             series=series,
             progress=show_progress(args),
+            restart=checkpoint,
+            restart_interval=args.checkpoint_every,
+            stop=state.signals,
             **parameters,
         ):
             state.done += 1
@@ -196,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
     failed = write_failure_table(files.failed, files.table)
     if files.plot is not None and series:
         _plot(series, scanned.labels, files.plot, args.ensemble)
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
+    for stale in folder.glob(f".{CHECKPOINT_NAME}.*.tmp"):  # a write cut by kill -9
+        stale.unlink()
     note = f"; {failed} failed (see {files.table_final})" if failed else ""
     say(
         args,
@@ -242,6 +273,37 @@ def _ranks(args: argparse.Namespace) -> int:
     """Ranks of this run (1 unless launched by ``torchrun``)."""
     shard = getattr(args, "shard", None)
     return 1 if shard is None else int(shard.size)
+
+
+def _checkpoint(folder: Path, args: argparse.Namespace) -> Path:
+    """Return the checkpoint path; an earlier run's is kept only for --restart.
+
+    Under ``torchrun`` rank ``r > 0`` checkpoints its batch in flight to
+    ``checkpoint.rank<r>.npz`` (the runner derives it from this path).
+
+    Raises
+    ------
+    CommandError
+        If a checkpoint is there and neither --restart (continue from it),
+        --resume (run its batch again from the start) nor --overwrite is given.
+    """
+    from nvalchemi_ase.cli.common import CommandError
+
+    from nvalchemi_ase.runners.distributed import shard_path
+
+    path = folder / CHECKPOINT_NAME
+    rank = getattr(getattr(args, "shard", None), "rank", 0)
+    own = shard_path(path, rank) if rank else path  # under torchrun, per rank
+    if args.restart or not own.exists():
+        return path
+    if not (args.resume or args.overwrite):
+        raise CommandError(
+            f"{own} holds the checkpoint of an interrupted run; pass --restart "
+            "to continue it, --resume to run its batch again from the start, "
+            "--overwrite to discard the run, or move it away"
+        )
+    own.unlink()  # --resume or --overwrite: its batch runs again from the start
+    return path
 
 
 def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:
@@ -310,19 +372,27 @@ def _dynamics(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def _plot(
     series: dict[int, Any], labels: Sequence[str], path: Path, ensemble: str
 ) -> None:
-    """Every structure run by this command in one figure (same steps for all)."""
+    """Every structure run by this command in one figure.
+
+    Structures share the steps of one grid (the union of their samples); a
+    batch continued from a checkpoint (``--restart``) has samples only from
+    its checkpoint on, NaN (a gap in its lines) before.
+    """
     import numpy as np
 
     from nvalchemi_ase import plotting
 
     indices = sorted(series)
-    first = series[indices[0]]
-    arrays = {
-        key: first[key]  # the same steps for every structure
-        if key in ("step", "time_ps")
-        else np.stack([series[i][key] for i in indices], axis=1)
-        for key in first
-    }
+    steps = np.unique(np.concatenate([series[i]["step"] for i in indices]))
+    arrays: dict[str, Any] = {"step": steps, "time_ps": np.full(len(steps), np.nan)}
+    for column, index in enumerate(indices):
+        rows = np.searchsorted(steps, series[index]["step"])
+        arrays["time_ps"][rows] = series[index]["time_ps"]
+        for key, values in series[index].items():
+            if key in ("step", "time_ps"):
+                continue
+            grid = arrays.setdefault(key, np.full((len(steps), len(indices)), np.nan))
+            grid[rows, column] = values
     plotting.plot_md(
         arrays,
         path,

@@ -32,6 +32,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from nvalchemi_ase.cli.outputs import OutputFiles
 
+#: SIGTERM/SIGINT end the run cleanly (exit status 75; see cli.signals).
+STOPS_ON_SIGNALS = True
+
 __all__ = ["CELL_OPTIMIZERS", "OPTIMIZERS", "add_arguments", "run"]
 
 OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS")
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             f"--cell needs --optimizer {' or '.join(CELL_OPTIMIZERS)} (nvalchemi's "
             f"variable-cell engines); {args.optimizer} moves atoms only"
         )
+    args.resume = args.resume or args.restart  # in-flight work starts again
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     output = Path(args.output)
@@ -134,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
     trajectory = _claim_trajectories(args, outputs, len(scanned))
     done = resumed(args, files.staged, files.failed, scanned)
-    state = RunState(outputs, scanned, done=done)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
     args.run_state = state
     series: dict[int, Any] | None = {} if args.plot else None
     with state.running():
@@ -162,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if not on_root(args):
         return 0  # rank 0 moves the merged output into place and prints
     failed = files.finish(series, scanned.labels, args.optimizer)
-    outputs.commit()
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
     converged = _summary(args, output, files.failed_final)
     note = (
         f"; {failed} failed (see {files.failed_final}, {files.table_final})"

@@ -1,10 +1,13 @@
-"""One command run over the runners: progress, errors naming frames, Ctrl-C.
+"""One command run over the runners: progress, errors naming frames, signals.
 
 :class:`RunState` knows how many structures a run has finished and where its
 results so far are, so that Ctrl-C, an out-of-memory error or any other error
 in a working batch becomes one line naming the input frames (``file@frame``,
 from the error's ``input_indices``, see :mod:`nvalchemi_ase.runners`) instead
-of positions inside the batch, and says how to continue (``--resume``).
+of positions inside the batch, and says how to continue (``--resume``). A
+SIGTERM or SIGINT caught by :mod:`nvalchemi_ase.cli.signals` ends the run with
+exit status :data:`~nvalchemi_ase.cli.signals.REQUEUE_STATUS` and a line
+saying where it stopped and how to continue (``--restart``).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from typing import Any
 from nvalchemi_ase.cli.batching import Inputs, is_out_of_memory, out_of_memory_message
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
 from nvalchemi_ase.cli.outputs import OutputFiles
+from nvalchemi_ase.cli.signals import REQUEUE_STATUS, SignalInterrupt, StopSignals
 
 __all__ = [
     "INTERRUPTED_STATUS",
     "RunInterruptedError",
     "RunState",
+    "RunStoppedError",
     "on_root",
     "report",
     "report_failure",
@@ -43,6 +48,12 @@ class RunInterruptedError(CommandError):
     exit_status = INTERRUPTED_STATUS
 
 
+class RunStoppedError(CommandError):
+    """SIGTERM or SIGINT during a run: one line, exit status 75 (requeue)."""
+
+    exit_status = REQUEUE_STATUS
+
+
 @dataclass
 class RunState:
     """Where a run is: for messages on interruption and errors.
@@ -55,11 +66,14 @@ class RunState:
         Labels and sizes of the input structures.
     done : int
         Structures finished, by this run or (with ``--resume``) an earlier one.
+    signals : StopSignals, optional
+        The command's signal handlers (:mod:`nvalchemi_ase.cli.signals`).
     """
 
     outputs: OutputFiles
     inputs: Inputs
     done: int = 0
+    signals: StopSignals | None = None
 
     def interrupted(self) -> RunInterruptedError:
         """Return the one-line report of a Ctrl-C."""
@@ -69,22 +83,73 @@ class RunState:
             "continue"
         )
 
+    def stopped(self, signal_name: str, error: Any = None) -> RunStoppedError:
+        """Return the one-line report of a run stopped by a signal.
+
+        Parameters
+        ----------
+        signal_name : str
+            The signal, e.g. ``"SIGTERM"``.
+        error : RunStopped, optional
+            Where an ``md`` run stopped (its step, checkpoint and inputs).
+        """
+        where = ""
+        checkpoint = getattr(error, "checkpoint", None)
+        if error is not None and error.step is not None:
+            frames = self.inputs.describe(error.input_indices)
+            where = f" at step {error.step} of {frames}"
+        saved = f"; checkpoint written to {checkpoint}" if checkpoint else ""
+        lost = " (the structures in flight start again)" if error is None else ""
+        return RunStoppedError(
+            f"interrupted by {signal_name}{where}{saved}; {self.done} of "
+            f"{len(self.inputs)} structures finished, {self.outputs.where()}; "
+            f"rerun the same command with --restart to continue{lost}"
+        )
+
+    def finishing(self) -> contextlib.AbstractContextManager[None]:
+        """Within the block (outputs moved into place), a signal waits for its end."""
+        if self.signals is None:
+            return contextlib.nullcontext()
+        return self.signals.deferring()
+
     @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self, *, deferred: bool = False) -> Iterator[None]:
         """Run the structures; errors name the working batch and its input frames.
+
+        Parameters
+        ----------
+        deferred : bool
+            A first SIGTERM/SIGINT only asks the runner to stop at its next
+            step boundary (the runner is given :attr:`signals` as ``stop=``);
+            otherwise it stops the run at once.
 
         Raises
         ------
+        RunStoppedError
+            For SIGTERM or SIGINT caught by :attr:`signals`.
         RunInterruptedError
-            For Ctrl-C.
+            For any other Ctrl-C (``KeyboardInterrupt``).
         CommandError
             For an out-of-memory error (with a ``--max-atoms`` to use) or any
             user-facing error of a batch (naming ``file@frame``).
         """
+        from nvalchemi_ase.runners import RunStopped
+
+        deferring = (
+            self.signals.deferring()
+            if deferred and self.signals is not None
+            else contextlib.nullcontext()
+        )
         try:
-            yield
+            with deferring:
+                yield
+        except SignalInterrupt as error:
+            raise self.stopped(error.signal_name) from None
         except KeyboardInterrupt:
             raise self.interrupted() from None
+        except RunStopped as error:
+            received = None if self.signals is None else self.signals.received
+            raise self.stopped(received or "a stop request", error) from None
         except CommandError:
             raise
         except Exception as error:

@@ -816,6 +816,10 @@ class BatchedDynamics(AseBaseDynamics):
                 f"restart_interval must be >= 1 (steps), got {self.restart_interval}"
             )
         self._checkpoint_nsteps = -1
+        #: Arrays every checkpoint of this object carries (``extra/tag/<name>``),
+        #: for a caller that must tell its checkpoints apart (the runners store
+        #: the input indices of the chunk in flight); not compared on restart.
+        self.checkpoint_tags: dict[str, npt.NDArray[Any]] = {}
         self._trajectory_frames0: npt.NDArray[np.int64] | None = None
         if self.restart is None:
             return
@@ -858,6 +862,8 @@ class BatchedDynamics(AseBaseDynamics):
     def _checkpoint_extras(self) -> dict[str, npt.NDArray[Any]]:
         """Class-specific arrays a checkpoint keeps (subclasses extend)."""
         extras = {"frame_steps": self._frame_steps.copy()}
+        for name, value in self.checkpoint_tags.items():
+            extras[f"tag/{name}"] = np.asarray(value)
         if self._trajectory_frames0 is not None:
             counts = self._trajectory_frames0 + self.trajectories.written
             extras["trajectory_frames"] = np.where(

@@ -38,7 +38,9 @@ entry                             content
 ``failures/<field>``              (B,) failed flags, failure steps and reasons,
                                   reference volumes
 ``extra/<field>``                 class-specific: cell-filter alignment,
-                                  convergence flags, trajectory bookkeeping
+                                  convergence flags, trajectory bookkeeping;
+                                  the caller's ``checkpoint_tags`` as
+                                  ``extra/tag/<name>`` (not compared)
 ================================  ==============================================
 
 Random numbers: every stochastic engine here (``Langevin``, ``Bussi``,

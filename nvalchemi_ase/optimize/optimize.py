@@ -209,6 +209,7 @@ class BatchedOptimizer(BatchedDynamics):
         trajectory: TrajectoryLike = None,
         logfile: LogfileLike = None,
         loginterval: int = 1,
+        **restart: Any,
     ) -> Any:
         """Fuse with an MD object: each structure relaxes to ``fmax``, then runs MD.
 
@@ -223,6 +224,9 @@ class BatchedOptimizer(BatchedDynamics):
         trajectory, logfile, loginterval
             Output of the fused run (see
             :class:`~nvalchemi_ase.compose.RelaxThenMD`).
+        **restart
+            ``restart``, ``restart_interval``, ``append_trajectory`` of
+            :class:`~nvalchemi_ase.compose.RelaxThenMD`.
 
         Returns
         -------
@@ -240,6 +244,7 @@ class BatchedOptimizer(BatchedDynamics):
             trajectory=trajectory,
             logfile=logfile,
             loginterval=loginterval,
+            **restart,
         )
 
     def __add__(self, md: Any) -> Any:

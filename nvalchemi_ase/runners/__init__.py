@@ -75,7 +75,9 @@ caps the number of structures in the batch in either case.
 Modules: :mod:`~nvalchemi_ase.runners.relaxation` (the working batch of
 :func:`irelax`), :mod:`~nvalchemi_ase.runners.chunks` (single points and MD),
 :mod:`~nvalchemi_ase.runners.budget`, :mod:`~nvalchemi_ase.runners.files`
-(streamed output, resume, reading back); ``_common`` holds what they share.
+(streamed output, resume, reading back), :mod:`~nvalchemi_ase.runners.restart`
+(the checkpoint of the MD chunk in flight, ``restart=``, and ``stop=``);
+``_common`` holds what they share.
 
 Streaming output and resume. With ``output=PATH`` each finished structure is
 appended to ``PATH`` (extxyz, ``info["index"]`` = input index; finish order
@@ -105,11 +107,13 @@ from nvalchemi_ase.runners.files import (
     sort_output,
 )
 from nvalchemi_ase.runners.relaxation import OPTIMIZERS, irelax, relax
+from nvalchemi_ase.runners.restart import RunStopped
 
 __all__ = [
     "OPTIMIZERS",
     "PROPERTIES",
     "Budget",
+    "RunStopped",
     "failed_path",
     "finished_indices",
     "imd",

@@ -6,7 +6,8 @@ uninterrupted run's chunks (see :mod:`nvalchemi_ase.runners`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,8 @@ from nvalchemi_ase.runners._common import (
     quiet_failures,
     result_atoms,
 )
-from nvalchemi_ase.runners.distributed import Shard, shard_path
+from nvalchemi_ase.runners.distributed import Shard, shard_files, shard_path
+from nvalchemi_ase.runners.restart import ChunkRestart, RunStopped
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -163,6 +165,9 @@ def imd(
     series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
     progress: bool | None = False,
     distributed: bool | None = None,
+    restart: str | Path | None = None,
+    restart_interval: int | None = None,
+    stop: Callable[[], bool] | None = None,
     **kwargs: Any,
 ) -> Iterator[tuple[int, Atoms]]:
     """Run ``steps`` MD steps on every structure, in chunks within the budget.
@@ -214,6 +219,23 @@ def imd(
         ``pressure_gpa``; see :class:`~nvalchemi_ase.dynamics.recorder.Recorder`).
     progress : bool or None
         A progress bar per chunk on standard error; None: only on a terminal.
+    restart : str or path, optional
+        Checkpoint of the chunk in flight (see
+        :mod:`~nvalchemi_ase.runners.restart`): written every
+        ``restart_interval`` steps, at the end of the chunk's run and on a
+        stop, removed once the chunk's results are written. If it exists, the
+        run continues from it (``resume=True`` implied): the first chunk not
+        fully written goes on from the checkpoint's step instead of its start.
+        With several ranks, rank ``r > 0`` uses ``stem.rank<r>.suffix``.
+    restart_interval : int, optional
+        Steps between checkpoint writes (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
+    stop : callable, optional
+        Asked after every step (and before every chunk); when it returns True
+        the chunk in flight writes its checkpoint (with ``restart``), every
+        file is flushed and closed, and :class:`RunStopped` is raised (its
+        ``step`` and ``checkpoint`` say where). A stop asked for at the last
+        step lets the chunk finish and write its results first.
     distributed : bool or None
         Shard the structures across the ranks of a torch.distributed launch
         (``torchrun``); None: when launched so. See
@@ -223,6 +245,11 @@ def imd(
         only, since chunks differ in size. ``seed`` is offset by the chunk
         number (and rank), so chunks draw different noise (stochastic paths
         therefore depend on the chunking and the number of ranks).
+
+    Raises
+    ------
+    RunStopped
+        When ``stop()`` returned True.
 
     Yields
     ------
@@ -246,9 +273,14 @@ def imd(
         max_atoms=max_atoms,
         max_structures=max_structures,
         output=output,
-        resume=resume,
+        resume=resume or _has_checkpoint(restart),
         failures=failures,
     ) as run:
+        checkpoint = (
+            None
+            if restart is None
+            else ChunkRestart(_rank_path(restart, run.shard), restart_interval)
+        )
         chunk_run = _MDChunk(
             md_class,
             run.calc,
@@ -261,12 +293,20 @@ def imd(
             loginterval=loginterval,
             series=series,
             progress=progress and run.shard.is_root,
+            restart=checkpoint,
+            stop=stop,
         )
         admission = Admission(run.calc.model, kwargs.get("neighbor_skin"))
         for number, chunk in _resumed_chunks(run, structures, admission, numbered=True):
+            if stop is not None and stop():
+                raise RunStopped(None, None)
             for atoms in chunk_run(chunk, run.shard.seed(seed, number), run.sink.done):
                 run.sink.write(atoms)
                 yield int(atoms.info["index"]), atoms
+            if checkpoint is not None:
+                checkpoint.written()  # after the results it protected
+        if checkpoint is not None:
+            checkpoint.written()  # every chunk written: a file left is stale
 
 
 def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
@@ -284,9 +324,12 @@ def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
     Returns
     -------
     list of ase.Atoms
-        Final states in input order (with ``resume=True`` those found in
-        ``output`` are read back from it).
+        Final states in input order (with ``resume=True``, or a ``restart``
+        file to continue from, those found in ``output`` are read back from it).
     """
+    restart = kwargs.get("restart")
+    if restart is not None and Path(restart).exists():
+        kwargs["resume"] = True  # as imd() implies
     return in_input_order(imd(structures, model, **kwargs), kwargs)
 
 
@@ -328,13 +371,25 @@ def _resumed_chunks(
         yield (number, chunk) if numbered else chunk
 
 
+def _has_checkpoint(restart: str | Path | None) -> bool:
+    """Whether a chunk checkpoint (of any rank) is there to continue from."""
+    return restart is not None and (
+        Path(restart).exists() or bool(shard_files(restart))
+    )
+
+
+def _rank_path(path: str | Path, shard: Shard) -> Path:
+    """Return this rank's file: ``path`` on rank 0, ``stem.rank1.suffix`` on rank 1."""
+    return shard_path(path, shard.rank) if shard.rank else Path(path)
+
+
 def _rank_file(path: str | Path | None, shard: Shard) -> str | None:
-    """Return this rank's log: ``path`` on rank 0, ``md.rank1.log`` on rank 1."""
+    """Return this rank's log (:func:`_rank_path`; ``"-"`` on rank 0 only)."""
     if path is None:
         return None
     if str(path) == "-":
         return "-" if shard.is_root else None
-    return str(shard_path(path, shard.rank)) if shard.rank else str(path)
+    return str(_rank_path(path, shard))
 
 
 def _evaluated(
@@ -367,6 +422,8 @@ class _MDChunk:
         loginterval: int,
         series: dict[int, dict[str, npt.NDArray[np.float64]]] | None,
         progress: bool | None,
+        restart: ChunkRestart | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.md_class = md_class
         self.calc = calc
@@ -379,6 +436,8 @@ class _MDChunk:
         self.loginterval = loginterval
         self.series = series
         self.progress = progress
+        self.restart = restart
+        self.stop = stop
 
     def __call__(
         self, chunk: list[_Entry], seed: int | None, done: set[int]
@@ -390,7 +449,7 @@ class _MDChunk:
         values: dict[int, dict[str, Any]] = {}
         if run:
             with naming_inputs([slot.index for slot in run]):
-                values, failures = self._run(run, seed)
+                values, failures = self._run(run, seed, done)
             reasons |= failures
         out = []
         for slot in slots:
@@ -405,7 +464,7 @@ class _MDChunk:
         return out
 
     def _run(
-        self, run: list[Slot], seed: int | None
+        self, run: list[Slot], seed: int | None, done: set[int]
     ) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
         from nvalchemi_ase.dynamics.recorder import Recorder
         from nvalchemi_ase.dynamics.trajectory import expand_template
@@ -422,6 +481,9 @@ class _MDChunk:
             for path in paths:
                 path.parent.mkdir(parents=True, exist_ok=True)
             extra["trajectory"] = paths  # replaced: a chunk run again starts anew
+        indices = [slot.index for slot in run]
+        if self.restart is not None:
+            extra |= self.restart.arguments(self.restart.continues(indices, done))
         with quiet_failures():
             dyn = self.md_class(
                 [slot.atoms for slot in run],
@@ -436,9 +498,11 @@ class _MDChunk:
                 Recorder(dyn, self.loginterval) if self.series is not None else None
             )
             try:
-                dyn.run(self.steps)
+                stopped = self._advance(dyn, indices)
             finally:
                 dyn.close()
+            if stopped:
+                raise RunStopped(dyn.nsteps, self._written_checkpoint(dyn), indices)
             failures = {run[f.index].index: f for f in dyn.failures}
         for slot in run:
             if slot.index in failures:
@@ -458,6 +522,38 @@ class _MDChunk:
                 }
         values = {slot.index: r for slot, r in zip(run, results, strict=True)}
         return values, {index: f.reason for index, f in failures.items()}
+
+    def _advance(self, dyn: Any, indices: list[int]) -> bool:
+        """Take the chunk's remaining steps; return whether ``stop()`` cut them short.
+
+        A continued chunk starts at its checkpoint's step. On a stop the run
+        is left at a yield, which writes the checkpoint of that step (see
+        :meth:`BatchedDynamics.irun <nvalchemi_ase.md.md.MolecularDynamics.irun>`).
+        """
+        if self.restart is not None:
+            dyn.checkpoint_tags = ChunkRestart.tags(indices)
+        remaining = self.steps - int(dyn.nsteps)
+        if remaining < 0:
+            raise ValueError(
+                f"restart file {dyn.restart}: the chunk is at step {dyn.nsteps}, "
+                f"past steps={self.steps}; continue with the steps of the "
+                "interrupted run"
+            )
+        if self.stop is None:
+            dyn.run(remaining)
+            return False
+        # the generator run() uses (no write-back every step); closed at a stop
+        with contextlib.closing(dyn._irun(remaining, sync_every_step=False)) as steps:
+            for finished in steps:
+                if not finished and self.stop():
+                    return True
+        return False
+
+    def _written_checkpoint(self, dyn: Any) -> Path | None:
+        """Return the checkpoint a stopped chunk left (None without ``restart``)."""
+        if self.restart is None or not self.restart.exists():
+            return None
+        return self.restart.path
 
 
 def _md_class(dynamics: str | type) -> type:
