@@ -288,7 +288,6 @@ def _checkpoint(folder: Path, args: argparse.Namespace) -> Path:
         --resume (run its batch again from the start) nor --overwrite is given.
     """
     from nvalchemi_ase.cli.common import CommandError
-
     from nvalchemi_ase.runners.distributed import shard_path
 
     path = folder / CHECKPOINT_NAME
