@@ -1,0 +1,220 @@
+"""ASE's ``UnitCellFilter`` and ``FrechetCellFilter`` coordinates, batched in torch.
+
+ASE's optimizers relax a filtered structure in generalized coordinates of
+N + 3 rows (``filter.get_positions()``/``get_forces()``, from
+``ase._4.optimize.cellutil.CellUtility``). With the deformation gradient
+``F = (L0⁻¹ L)ᵀ`` of the cell L (rows = lattice vectors) from the filter's
+``orig_cell`` L0, per structure:
+
+* atom rows: positions ``r F⁻ᵀ`` (in the undeformed cell), forces ``f F``;
+* cell rows, ``UnitCellFilter``: position ``c F`` (c = ``cell_factor``),
+  force ``W F⁻ᵀ / c`` with the virial ``W = -V (σ + p 1)``;
+* cell rows, ``FrechetCellFilter``: position ``e log(N F)`` (e =
+  ``exp_cell_factor``, N atoms), force ``D / e`` with D the derivative of the
+  energy along ``log F``: ``D = L(log(F)ᵀ, W F⁻ᵀ)``, L the Fréchet derivative
+  of the matrix exponential (the adjoint of ASE's sum over nine directions);
+* the options act on W in ASE's order: ``hydrostatic_strain`` (W → tr W / 3),
+  ``mask`` (W ∘ mask), ``constant_volume`` (tr / 3 off the diagonal of the
+  cell force; for Fréchet after the derivative, as ASE);
+* setting the coordinates: ``F' = (cell rows)/c`` (Fréchet:
+  ``exp(rows / e) / c``), ``G = 1 + (F' - 1)ᵀ ∘ mask``, cell ``L0 G`` and
+  positions ``x G``;
+* the filter's energy is ``E + p V``.
+
+Shapes: ``V`` atoms, ``B`` structures; cells and cell rows [B, 3, 3].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from nvalchemi.data import Batch
+
+__all__ = ["CellFilterCoordinates", "expm_frechet", "logm"]
+
+#: Square roots taken before the series of ``logm`` (inverse scaling and squaring).
+_SQUARE_ROOTS = 2
+#: Denman-Beavers iterations per square root (quadratic convergence near 1).
+_ROOT_ITERATIONS = 8
+#: Odd terms of the series ``log(1 + E) = 2 atanh(E (2 + E)⁻¹)``.
+_SERIES_TERMS = 12
+
+
+@dataclass
+class CellFilterCoordinates:
+    """The generalized coordinates of ASE's cell filters for a batch.
+
+    Attributes
+    ----------
+    frechet : bool
+        ``FrechetCellFilter`` (True) or ``UnitCellFilter`` (False).
+    reference : torch.Tensor
+        [B, 3, 3] the filters' ``orig_cell``, Å (rows = lattice vectors).
+    cell_factor : torch.Tensor
+        [B] ``cell_factor`` (the number of atoms by default).
+    exp_cell_factor : torch.Tensor
+        [B] ``exp_cell_factor`` of a Fréchet filter (``cell_factor`` otherwise).
+    atom_count : torch.Tensor
+        [B] atoms per structure (N of the Fréchet cell rows).
+    pressure : torch.Tensor
+        [B] ``scalar_pressure``, eV/Å³.
+    hydrostatic : torch.Tensor
+        [B] bool ``hydrostatic_strain``.
+    constant_volume : torch.Tensor
+        [B] bool.
+    mask : torch.Tensor
+        [B, 3, 3] 0/1 cell components that move (ASE's ``mask3x3``).
+    """
+
+    frechet: bool
+    reference: torch.Tensor
+    cell_factor: torch.Tensor
+    exp_cell_factor: torch.Tensor
+    atom_count: torch.Tensor
+    pressure: torch.Tensor
+    hydrostatic: torch.Tensor
+    constant_volume: torch.Tensor
+    mask: torch.Tensor
+
+    def deformation(self, cell: torch.Tensor) -> torch.Tensor:
+        """ASE's ``deform_grad``: ``F = (L0⁻¹ L)ᵀ``, [B, 3, 3]."""
+        return torch.linalg.solve(self.reference, cell).mT
+
+    def positions(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the filter's positions: atom rows [V, 3] Å and cell rows [B, 3, 3]."""
+        cell = batch.cell.detach()
+        deformation = self.deformation(cell)
+        index = batch.batch_idx.long()
+        atoms = torch.einsum(
+            "vj,vij->vi", batch.positions.detach(), torch.linalg.inv(deformation)[index]
+        )
+        if not self.frechet:
+            return atoms, self.cell_factor.view(-1, 1, 1) * deformation
+        identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
+        log_count = torch.log(self.atom_count).view(-1, 1, 1)
+        rows = logm(deformation) + log_count * identity
+        return atoms, self.exp_cell_factor.view(-1, 1, 1) * rows
+
+    def set_positions(
+        self, batch: Batch, atoms: torch.Tensor, cell_rows: torch.Tensor
+    ) -> None:
+        """Write filter positions into ``batch.positions`` and ``batch.cell``.
+
+        Parameters
+        ----------
+        batch : Batch
+            Updated in place.
+        atoms : torch.Tensor
+            [V, 3] atom rows (positions in the undeformed cell), Å.
+        cell_rows : torch.Tensor
+            [B, 3, 3] cell rows.
+        """
+        if self.frechet:
+            scaled = cell_rows / self.exp_cell_factor.view(-1, 1, 1)
+            deformation = torch.linalg.matrix_exp(scaled)
+        else:
+            deformation = cell_rows
+        deformation = deformation / self.cell_factor.view(-1, 1, 1)
+        identity = torch.eye(3, dtype=atoms.dtype, device=atoms.device)
+        gradient = identity + (deformation - identity).mT * self.mask
+        index = batch.batch_idx.long()
+        batch.cell.copy_(self.reference @ gradient)
+        batch.positions.copy_(torch.einsum("vi,vij->vj", atoms, gradient[index]))
+
+    def forces(
+        self, batch: Batch, atom_forces: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the filter's forces: atom rows [V, 3] and cell rows [B, 3, 3], eV/Å.
+
+        Parameters
+        ----------
+        batch : Batch
+            Supplies ``cell`` and ``stress`` [B, 3, 3] eV/Å³ (tensile positive).
+        atom_forces : torch.Tensor
+            [V, 3] the atoms' forces, eV/Å (frozen atoms' zero).
+        """
+        cell = batch.cell.detach()
+        deformation = self.deformation(cell)
+        identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
+        volume = torch.linalg.det(cell).abs().view(-1, 1, 1)
+        stress = batch.stress.detach() + self.pressure.view(-1, 1, 1) * identity
+        virial = -volume * stress
+        atoms = torch.einsum(
+            "vi,vij->vj", atom_forces, deformation[batch.batch_idx.long()]
+        )
+        inverse_transpose = torch.linalg.inv(deformation).mT
+        if not self.frechet:
+            virial = virial @ inverse_transpose
+        virial = self._options(virial)
+        if not self.frechet:
+            return atoms, self._deviatoric(virial) / self.cell_factor.view(-1, 1, 1)
+        derivative = expm_frechet(logm(deformation).mT, virial @ inverse_transpose)
+        rows = self._deviatoric(derivative) / self.exp_cell_factor.view(-1, 1, 1)
+        return atoms, rows
+
+    def energy(self, batch: Batch) -> torch.Tensor:
+        """Return the filter's energy ``E + p V``, [B] eV."""
+        volume = torch.linalg.det(batch.cell.detach()).abs()
+        return batch.energy.detach().reshape(-1) + self.pressure * volume
+
+    def _options(self, virial: torch.Tensor) -> torch.Tensor:
+        """``hydrostatic_strain`` then ``mask``, as ASE applies them to W."""
+        identity = torch.eye(3, dtype=virial.dtype, device=virial.device)
+        trace = virial.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1) / 3.0
+        virial = torch.where(self.hydrostatic.view(-1, 1, 1), trace * identity, virial)
+        return virial * self.mask
+
+    def _deviatoric(self, force: torch.Tensor) -> torch.Tensor:
+        """``constant_volume``: the trace / 3 off the diagonal, [B, 3, 3]."""
+        identity = torch.eye(3, dtype=force.dtype, device=force.device)
+        trace = force.diagonal(dim1=-2, dim2=-1).sum(-1).view(-1, 1, 1) / 3.0
+        return torch.where(
+            self.constant_volume.view(-1, 1, 1), force - trace * identity, force
+        )
+
+
+def logm(matrix: torch.Tensor) -> torch.Tensor:
+    """Principal matrix logarithm of [B, 3, 3] matrices near the identity.
+
+    Inverse scaling and squaring: ``_SQUARE_ROOTS`` Denman-Beavers square
+    roots, then the series ``log(1 + E) = 2 Σ Z^(2k+1)/(2k+1)``,
+    ``Z = E (2 + E)⁻¹``. Accurate to rounding for ``|F - 1| < 1`` (deformation
+    gradients of relaxations).
+    """
+    identity = torch.eye(3, dtype=matrix.dtype, device=matrix.device)
+    root = matrix
+    for _ in range(_SQUARE_ROOTS):
+        root = _square_root(root, identity)
+    excess = root - identity
+    z = torch.linalg.solve((2.0 * identity + excess).mT, excess.mT).mT
+    z2 = z @ z
+    power, total = z, z.clone()
+    for k in range(1, _SERIES_TERMS):
+        power = power @ z2
+        total = total + power / (2 * k + 1)
+    return (2.0 ** (_SQUARE_ROOTS + 1)) * total
+
+
+def _square_root(matrix: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+    """Principal square root by the Denman-Beavers iteration, [B, 3, 3]."""
+    y, z = matrix, identity.expand_as(matrix)
+    for _ in range(_ROOT_ITERATIONS):
+        y, z = 0.5 * (y + torch.linalg.inv(z)), 0.5 * (z + torch.linalg.inv(y))
+    return y
+
+
+def expm_frechet(matrix: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
+    """Fréchet derivative of ``expm`` at ``matrix`` along ``direction``, [B, 3, 3].
+
+    The upper-right block of ``expm([[A, E], [0, A]])``.
+    """
+    count = matrix.shape[0]
+    block = matrix.new_zeros((count, 6, 6))
+    block[:, :3, :3] = matrix
+    block[:, 3:, 3:] = matrix
+    block[:, :3, 3:] = direction
+    return torch.linalg.matrix_exp(block)[:, :3, 3:]
