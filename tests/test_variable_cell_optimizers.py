@@ -111,6 +111,7 @@ def test_options_follow_ases_path(name, cell_filter, option, lj_calc64):
 
 @pytest.mark.slow  # ASE's downhill check evaluates its filter's energy twice a step
 def test_fire_downhill_check_under_a_filter(lj_calc64):
+    resets = []  # ours and ASE's: the same structure goes back once in each
     deviation = _compare(
         "FIRE",
         FrechetCellFilter,
@@ -118,8 +119,10 @@ def test_fire_downhill_check_under_a_filter(lj_calc64):
         lj_calc64.model,
         dt=0.5,
         downhill_check=True,
+        position_reset_callback=lambda *args: resets.append(len(args)),
     )
     assert deviation < PATH_TOL
+    assert len(resets) == 2
 
 
 @pytest.mark.parametrize("cell_filter", FILTERS, ids=lambda f: f.__name__)
