@@ -2,7 +2,7 @@
 
 ASE's optimizers relax a filtered structure in generalized coordinates of
 N + 3 rows (``filter.get_positions()``/``get_forces()``, from
-``ase._4.optimize.cellutil.CellUtility``). With the deformation gradient
+ASE 3.29's ``CellUtility``, which the filters call). With the deformation gradient
 ``F = (L0⁻¹ L)ᵀ`` of the cell L (rows = lattice vectors) from the filter's
 ``orig_cell`` L0, per structure:
 
