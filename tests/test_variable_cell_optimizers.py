@@ -73,7 +73,10 @@ def _one_blas_thread():
 
 
 def _compare(name, cell_filter, options, model, steps=STEPS, **kwargs):
-    """Largest deviation from ASE (positions, cell, energy) and the flags."""
+    """Largest deviation from ASE (positions, cell, energy); flags and counts agree.
+
+    Returns the deviation and how many structures ASE's optimizer converged.
+    """
     ours_class, ase_class = PAIRS[name]
     images = _strained_cells()
     optimizer = ours_class(
@@ -83,7 +86,7 @@ def _compare(name, cell_filter, options, model, steps=STEPS, **kwargs):
         **kwargs,
     )
     optimizer.run(fmax=FMAX, steps=steps)
-    deviation = 0.0
+    deviation, converged_count = 0.0, 0
     for index, reference in enumerate(_strained_cells()):
         reference.calc = NVAlchemiCalculator(model, device="cpu", dtype="float64")
         ase_optimizer = ase_class(
@@ -101,13 +104,15 @@ def _compare(name, cell_filter, options, model, steps=STEPS, **kwargs):
         assert optimizer.converged_mask[index] == converged, f"images[{index}]"
         steps_taken = optimizer.converged_at_step[index] if converged else steps
         assert steps_taken == ase_optimizer.nsteps, f"images[{index}]"
-    return deviation
+        converged_count += converged
+    return deviation, converged_count
 
 
 @pytest.mark.parametrize("cell_filter", FILTERS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_path_matches_ase_structure_by_structure(name, cell_filter, lj_calc64):
-    assert _compare(name, cell_filter, {}, lj_calc64.model) < PATH_TOL
+    deviation, _ = _compare(name, cell_filter, {}, lj_calc64.model)
+    assert deviation < PATH_TOL
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
@@ -120,13 +125,21 @@ def test_path_matches_ase_structure_by_structure(name, cell_filter, lj_calc64):
     ],
 )
 def test_options_follow_ases_path(name, cell_filter, option, lj_calc64):
-    deviation = _compare(name, cell_filter, OPTIONS[option], lj_calc64.model)
+    deviation, _ = _compare(name, cell_filter, OPTIONS[option], lj_calc64.model)
     assert deviation < PATH_TOL
+
+
+@pytest.mark.parametrize("cell_filter", FILTERS, ids=lambda f: f.__name__)
+def test_fire_converges_at_ases_step(cell_filter, lj_calc64):
+    # FIRE needs 42-47 steps here: both structures converge, each at ASE's step
+    deviation, converged = _compare("FIRE", cell_filter, {}, lj_calc64.model, 100)
+    assert deviation < PATH_TOL
+    assert converged == 2
 
 
 def test_fire_downhill_check_under_a_filter(lj_calc64):
     resets = []  # ours and ASE's: the same structure goes back once in each
-    deviation = _compare(
+    deviation, _ = _compare(
         "FIRE",
         FrechetCellFilter,
         {"scalar_pressure": 0.3 * units.GPa},
