@@ -18,7 +18,7 @@ import pytest
 import torch
 from ase import units
 from ase.build import bulk
-from ase.constraints import FixAtoms
+from ase.constraints import FixAtoms, FixCartesian
 from ase.filters import FrechetCellFilter, UnitCellFilter
 from ase.optimize import BFGS as AseBFGS
 from ase.optimize import FIRE as AseFIRE
@@ -72,13 +72,20 @@ def _one_blas_thread():
     return threadpool_limits(1)
 
 
-def _compare(name, cell_filter, options, model, steps=STEPS, **kwargs):
+def _fix_an_atom(images):
+    """FixAtoms on atom 1 (not at the origin, so a cell change moves it)."""
+    for atoms in images:
+        atoms.set_constraint(FixAtoms(indices=[1]))
+    return images
+
+
+def _compare(name, cell_filter, options, model, steps=STEPS, *, fix=False, **kwargs):
     """Largest deviation from ASE (positions, cell, energy); flags and counts agree.
 
     Returns the deviation and how many structures ASE's optimizer converged.
     """
     ours_class, ase_class = PAIRS[name]
-    images = _strained_cells()
+    images = _fix_an_atom(_strained_cells()) if fix else _strained_cells()
     optimizer = ours_class(
         [cell_filter(atoms, **options) for atoms in images],
         model=model,
@@ -87,7 +94,8 @@ def _compare(name, cell_filter, options, model, steps=STEPS, **kwargs):
     )
     optimizer.run(fmax=FMAX, steps=steps)
     deviation, converged_count = 0.0, 0
-    for index, reference in enumerate(_strained_cells()):
+    references = _fix_an_atom(_strained_cells()) if fix else _strained_cells()
+    for index, reference in enumerate(references):
         reference.calc = NVAlchemiCalculator(model, device="cpu", dtype="float64")
         ase_optimizer = ase_class(
             cell_filter(reference, **options), logfile=None, **kwargs
@@ -179,11 +187,27 @@ def test_filter_coordinates_are_ases(cell_filter, lj_calc64):
         np.testing.assert_allclose(ours, forces, rtol=0, atol=COORDINATE_TOL)
 
 
-def test_constraints_are_refused_under_a_filter(lj_calc64):
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_fixatoms_moves_with_the_cell_as_in_ase(name, lj_calc64):
+    # ASE keeps a fixed atom's filter row: it follows the cell's deformation
+    deviation, _ = _compare(name, UnitCellFilter, {}, lj_calc64.model, fix=True)
+    assert deviation < PATH_TOL
+    start = _strained_cells()[1]
+    atoms = _fix_an_atom(_strained_cells())[1]
+    PAIRS[name][0](UnitCellFilter(atoms), model=lj_calc64.model, logfile=None).run(
+        fmax=FMAX, steps=5
+    )
+    fractional = np.linalg.solve(atoms.cell.array.T, atoms.positions[1])
+    expected = np.linalg.solve(start.cell.array.T, start.positions[1])
+    np.testing.assert_allclose(fractional, expected, atol=1e-12)  # moved with it
+    assert np.abs(atoms.positions[1] - start.positions[1]).max() > 1e-4
+
+
+def test_other_constraints_are_refused_under_a_filter(lj_calc64):
     atoms = bulk("Ar", "fcc", a=5.3, cubic=True)
-    atoms.set_constraint(FixAtoms(indices=[0]))
+    atoms.set_constraint([FixAtoms(indices=[0]), FixCartesian(1, mask=[1, 0, 0])])
     atoms.calc = lj_calc64
-    with pytest.raises(ValueError, match=r"images\[0\] has constraint FixAtoms"):
+    with pytest.raises(ValueError, match=r"images\[0\] has constraint FixCartesian"):
         BFGS(FrechetCellFilter(atoms), logfile=None)
 
 

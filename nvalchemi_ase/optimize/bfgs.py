@@ -32,7 +32,8 @@ class BFGS(BatchedOptimizer):
     Parameters
     ----------
     images : ase.Atoms, FrechetCellFilter, UnitCellFilter, or a sequence
-        Structures to relax (``FixAtoms`` honoured with a fixed cell). Under a
+        Structures to relax (``FixAtoms`` honoured; under a filter, as ASE, a
+        fixed atom moves with the cell, and other constraints are refused). Under a
         cell filter each structure follows ASE's BFGS on ASE's filter: the
         Hessian is over the filter's 3(N + 3) generalized coordinates and
         ``maxstep`` caps their rows, every filter option included.

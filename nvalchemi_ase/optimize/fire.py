@@ -33,7 +33,9 @@ class FIRE(BatchedOptimizer):
         Structures to relax. Under a cell filter each structure follows ASE's
         FIRE on ASE's filter (N + 3 generalized rows; ``maxstep`` and ``dt``
         act on them, ``downhill_check`` compares the filter's ``E + p V``),
-        every filter option included.
+        every filter option included; ``FixAtoms`` is honoured (under a
+        filter, as ASE, a fixed atom moves with the cell; other constraints
+        are refused there).
     restart, logfile, trajectory, append_trajectory
         See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
     dt : float

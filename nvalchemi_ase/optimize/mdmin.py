@@ -25,7 +25,8 @@ class MDMin(BatchedOptimizer):
     Parameters
     ----------
     images : ase.Atoms, FrechetCellFilter, UnitCellFilter, or a sequence
-        Structures to relax (``FixAtoms`` honoured with a fixed cell). Under a
+        Structures to relax (``FixAtoms`` honoured; under a filter, as ASE, a
+        fixed atom moves with the cell, and other constraints are refused). Under a
         cell filter each structure follows ASE's MDMin on ASE's filter (N + 3
         generalized rows, ``maxstep`` capping each), every option included.
     restart, logfile, trajectory

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 import torch
+from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
@@ -536,14 +537,8 @@ class BatchedOptimizer(BatchedDynamics):
                 f"a cell filter needs stress, but {type(self.model).__name__} does not "
                 "output it"
             )
+        self._check_filter_constraints()
         for index, atoms in enumerate(self.images):
-            if self.filter_in_engine and atoms.constraints:
-                names = ", ".join(type(c).__name__ for c in atoms.constraints)
-                raise ValueError(
-                    f"images[{index}] has constraint {names}: {type(self).__name__} "
-                    "with a cell filter relaxes unconstrained structures only; "
-                    "remove it, or use ASE's own optimizer for this structure"
-                )
             if not self.filter_in_engine and np.linalg.det(atoms.cell.array) <= 0:
                 raise ValueError(
                     f"images[{index}] has a left-handed cell; nvalchemi's "
@@ -554,6 +549,34 @@ class BatchedOptimizer(BatchedDynamics):
     def default_skin(self) -> float:
         """Verlet skin of the neighbour list when none is given, Å."""
         return 0.0 if self.cell_filter is not None else super().default_skin()
+
+    def _engine_freezes_atoms(self) -> bool:
+        """Under a filter FIRE, BFGS and MDMin keep frozen rows themselves.
+
+        ASE's ``FixAtoms`` under a filter keeps an atom's filter row (its
+        position in the undeformed cell), so the atom moves with the cell;
+        nvalchemi's ``FreezeAtomsHook`` would hold its Cartesian position.
+        """
+        return self.filter_in_engine and self.cell_filter is not None
+
+    def _adopt_new_constraints(self) -> None:
+        self._check_filter_constraints()
+        super()._adopt_new_constraints()
+
+    def _check_filter_constraints(self) -> None:
+        """Under a filter, FIRE, BFGS and MDMin honour ``FixAtoms`` only."""
+        if not self._engine_freezes_atoms():
+            return
+        for index, atoms in enumerate(self.images):
+            names = [
+                type(c).__name__ for c in atoms.constraints if type(c) is not FixAtoms
+            ]
+            if names:
+                raise ValueError(
+                    f"images[{index}] has constraint {', '.join(names)}: "
+                    f"{type(self).__name__} with a cell filter honours FixAtoms "
+                    "only; remove it, or use ASE's own optimizer for this structure"
+                )
 
     def engine_outputs(self) -> set[str]:
         """Model outputs every engine step needs (engine protocol)."""

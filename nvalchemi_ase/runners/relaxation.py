@@ -87,7 +87,7 @@ def irelax(
         ASE's ``FrechetCellFilter`` or ``UnitCellFilter``: relax the cells too
         (every optimizer takes one: FIRE, BFGS and MDMin follow ASE's path on
         ASE's filter, FIRE2 and LBFGS run nvalchemi's variable-cell engines;
-        under a cell filter FIRE, BFGS and MDMin take no constraints). Refills then
+        under a cell filter FIRE, BFGS and MDMin honour FixAtoms only). Refills then
         wait for the whole working batch (see the module docstring).
     max_atoms, max_edges : int, optional
         Working-batch limits (atoms; ordered pairs within the model's cutoff).
