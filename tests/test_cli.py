@@ -305,3 +305,24 @@ def test_command_line_lets_waiting_openmp_threads_sleep(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     cli_main._prefer_passive_openmp()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_relax_cell_with_bfgs_gives_ases_cells(tmp_path, lj_calc64):
+    from ase.filters import FrechetCellFilter
+    from ase.optimize import BFGS as AseBFGS
+
+    from nvalchemi_ase import NVAlchemiCalculator
+
+    inputs = [bulk("Ar", "fcc", a=5.1), bulk("Ar", "fcc", a=5.5, cubic=True)]
+    for atoms in inputs:
+        atoms.rattle(0.02, seed=1)
+    write(tmp_path / "in.extxyz", inputs)
+    output = tmp_path / "relaxed.extxyz"
+    arguments = ["relax", str(tmp_path / "in.extxyz"), "-o", str(output)]
+    code = main([*arguments, "--cell", "--optimizer", "BFGS", "--fmax", "0.01", *LJ])
+    assert code == 0
+    for atoms, relaxed in zip(inputs, read(output, ":"), strict=True):
+        atoms.calc = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype="float64")
+        AseBFGS(FrechetCellFilter(atoms), logfile=None).run(fmax=0.01, steps=1000)
+        np.testing.assert_allclose(relaxed.cell.array, atoms.cell.array, atol=1e-8)
+        np.testing.assert_allclose(relaxed.positions, atoms.positions, atol=1e-8)

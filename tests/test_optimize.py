@@ -155,8 +155,6 @@ def test_variable_cell_reaches_ases_lattice_constant(
 def test_cell_filter_refusals(lj_calc64):
     atoms = rattled_bulk(repeat=2)
     atoms.calc = lj_calc64
-    with pytest.raises(ValueError, match="FIRE with a cell filter is not supported"):
-        FIRE(FrechetCellFilter(atoms), logfile=None)
     with pytest.raises(ValueError, match="scalar_pressure must be a finite"):
         LBFGS(FrechetCellFilter(atoms, scalar_pressure=float("nan")), logfile=None)
     with pytest.raises(

@@ -112,9 +112,12 @@ def test_ion_relaxed_eos_matches_ase_relaxations_and_is_one_run(lj_calc64, monke
     )
 
 
-def test_relax_first_starts_from_the_relaxed_cell(lj_calc64):
+@pytest.mark.parametrize("cell_optimizer", ["FIRE2", "BFGS"])
+def test_relax_first_starts_from_the_relaxed_cell(cell_optimizer, lj_calc64):
     start = bulk("Ar", "fcc", a=5.45, cubic=True)  # under tension
-    (result,) = equation_of_state(start, lj_calc64, relax_first=True, fmax=FMAX)
+    (result,) = equation_of_state(
+        start, lj_calc64, relax_first=True, fmax=FMAX, cell_optimizer=cell_optimizer
+    )
     assert result.ok, result.error
     reference = start.copy()
     reference.calc = lj_calc64

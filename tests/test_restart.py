@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ase import units
-from ase.filters import FrechetCellFilter
+from ase.filters import FrechetCellFilter, UnitCellFilter
 
 from nvalchemi_ase.dynamics import checkpoint as checkpoint_module
 from nvalchemi_ase.dynamics.checkpoint import (
@@ -57,8 +57,8 @@ def _structures(calc, *, bulk_only=False):
     return images
 
 
-def _filtered(calc):
-    return [FrechetCellFilter(atoms) for atoms in _structures(calc, bulk_only=True)]
+def _filtered(calc, cell_filter=FrechetCellFilter):
+    return [cell_filter(atoms) for atoms in _structures(calc, bulk_only=True)]
 
 
 NPT = {
@@ -143,6 +143,14 @@ CLASSES = {
         50,
     ),
     "FIRE": (lambda c, **k: FIRE(_structures(c), logfile=None, **k), 50),
+    "FIRE-FrechetCellFilter": (
+        lambda c, **k: FIRE(_filtered(c), logfile=None, **k),
+        50,
+    ),
+    "FIRE-UnitCellFilter": (
+        lambda c, **k: FIRE(_filtered(c, UnitCellFilter), logfile=None, **k),
+        50,
+    ),
     "FIRE2": (lambda c, **k: FIRE2(_structures(c), logfile=None, **k), 50),
     "FIRE2-FrechetCellFilter": (
         lambda c, **k: FIRE2(_filtered(c), logfile=None, **k),
@@ -157,7 +165,23 @@ CLASSES = {
         lambda c, **k: BFGS(_structures(c, bulk_only=True), logfile=None, **k),
         20,
     ),
+    "BFGS-FrechetCellFilter": (
+        lambda c, **k: BFGS(_filtered(c), logfile=None, **k),
+        20,
+    ),
+    "BFGS-UnitCellFilter": (
+        lambda c, **k: BFGS(_filtered(c, UnitCellFilter), logfile=None, **k),
+        20,
+    ),
     "MDMin": (lambda c, **k: MDMin(_structures(c), logfile=None, **k), 50),
+    "MDMin-FrechetCellFilter": (
+        lambda c, **k: MDMin(_filtered(c), logfile=None, **k),
+        50,
+    ),
+    "MDMin-UnitCellFilter": (
+        lambda c, **k: MDMin(_filtered(c, UnitCellFilter), logfile=None, **k),
+        50,
+    ),
 }
 STOCHASTIC = {"Langevin", "Bussi", "Andersen"}
 FMAX = 1e-9  # eV/Å: no structure converges before the second half ends

@@ -423,7 +423,7 @@ def _strained_cells(count: int) -> list[Atoms]:
     return images
 
 
-@pytest.mark.parametrize("optimizer", ["FIRE2", "LBFGS"])
+@pytest.mark.parametrize("optimizer", ["FIRE2", "LBFGS", "FIRE", "BFGS", "MDMin"])
 def test_cell_filter_relaxes_every_cell_as_alone(calc, optimizer):
     from ase.filters import FrechetCellFilter
 

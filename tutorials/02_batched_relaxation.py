@@ -71,7 +71,8 @@ print((OUT / "relax.log").read_text().splitlines()[-1])
 # %% [markdown]
 # ## The cell too: ASE's `FrechetCellFilter`
 #
-# Wrapping structures in ASE's cell filters relaxes the cell as well, on
+# Wrapping structures in ASE's cell filters relaxes the cell as well: FIRE,
+# BFGS and MDMin follow ASE's own path on the filter, FIRE2 and LBFGS run
 # nvalchemi's variable-cell engines.
 
 # %%

@@ -39,8 +39,9 @@ __all__ = ["CELL_OPTIMIZERS", "OPTIMIZERS", "add_arguments", "run"]
 
 OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS")
 
-#: Optimizers that relax cells (nvalchemi's variable-cell engines).
-CELL_OPTIMIZERS = ("FIRE2", "LBFGS")
+#: Optimizers that relax cells: all of them (FIRE and BFGS follow ASE's path on
+#: ASE's filter; FIRE2 and LBFGS run nvalchemi's variable-cell engines).
+CELL_OPTIMIZERS = OPTIMIZERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cell",
         action="store_true",
-        help="relax the cell too (ASE's FrechetCellFilter; FIRE2, LBFGS)",
+        help="relax the cell too (ASE's FrechetCellFilter; every optimizer: FIRE "
+        "and BFGS follow ASE's path on it, FIRE2 and LBFGS run nvalchemi's "
+        "variable-cell engines)",
     )
     parser.add_argument(
         "-o",
@@ -107,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
 
     from nvalchemi_ase.cli.batching import labelled_atoms, scan_inputs
     from nvalchemi_ase.cli.common import (
-        CommandError,
         build_calculator,
         expand_inputs,
         result_properties,
@@ -124,11 +126,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from nvalchemi_ase.runners import irelax
 
-    if args.cell and args.optimizer not in CELL_OPTIMIZERS:
-        raise CommandError(
-            f"--cell needs --optimizer {' or '.join(CELL_OPTIMIZERS)} (nvalchemi's "
-            f"variable-cell engines); {args.optimizer} moves atoms only"
-        )
     args.resume = args.resume or args.restart  # in-flight work starts again
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)

@@ -295,6 +295,10 @@ class BatchedDynamics(AseBaseDynamics):
         """Verlet skin of the neighbour list when none is given, Å."""
         return DEFAULT_SKIN
 
+    def _engine_freezes_atoms(self) -> bool:
+        """Whether the engine keeps frozen atoms itself (no ``FreezeAtomsHook``)."""
+        return False
+
     def _after_priming(self) -> None:
         """Adjust the engine's fresh state before the first step (subclasses)."""
 
@@ -683,7 +687,8 @@ class BatchedDynamics(AseBaseDynamics):
     def _builtin_hooks(self, skin: float) -> list[Any]:
         stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
         hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
-        if bool((self.batch.atom_categories == FROZEN_CATEGORY).any()):
+        frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
+        if frozen and not self._engine_freezes_atoms():
             hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
         self._constraints = BatchConstraints(self.images, self.batch)
         if self._constraints.any:
@@ -752,7 +757,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.batch.atom_categories.copy_(fresh.atom_categories)
         frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
         has_hook = any(_is_freeze_hook(hook) for hook in self.engine.hooks)
-        if frozen and not has_hook:
+        if frozen and not has_hook and not self._engine_freezes_atoms():
             self.engine.register_hook(
                 freeze_hook(zero_velocities=self.velocities_are_momenta)
             )

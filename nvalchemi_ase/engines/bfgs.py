@@ -15,6 +15,9 @@ and positions x flattened to 3N_b numbers:
    step down so that it equals ``maxstep`` (the direction is kept).
 
 H starts as ``alpha`` × identity. This is the algorithm of ASE's ``BFGS``.
+Under ASE's ``UnitCellFilter``/``FrechetCellFilter`` (``cell_filter``) x and g
+are the filter's 3(N_b + 3) generalized coordinates and forces
+(:mod:`~nvalchemi_ase.engines.cell_filter`), as ASE's BFGS has them.
 Structures are padded to W = 3 × (largest atom count): the Hessians form one
 [B, W, W] tensor (padding rows/columns decoupled, ``alpha`` on the diagonal)
 and the eigendecompositions run as one batched call. Memory and time grow as
@@ -33,11 +36,12 @@ from nvalchemi.dynamics.base import BaseDynamics
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
-    free_atoms,
     keep_inactive,
     make_state,
     refuse_by_group,
 )
+from nvalchemi_ase.engines._rows import Rows
+from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
     from nvalchemi.dynamics.base import ConvergenceHook
@@ -52,32 +56,37 @@ SAME_CONFIGURATION = 1e-7
 
 
 class PaddedLayout:
-    """Maps per-atom [V, 3] tensors to padded per-structure [B, W] rows.
+    """Maps per-row [R, 3] tensors to padded per-structure [B, W] rows.
 
     Parameters
     ----------
     batch : Batch
         Supplies ``batch_idx`` and ``batch_ptr``.
     width : int
-        W, at least 3 × (largest atom count).
+        W, at least 3 × (largest row count: atoms, + 3 under a cell filter).
+    cell_filter : CellFilterCoordinates, optional
+        Lay out the filter's N + 3 rows per structure (atoms, then the cell).
     """
 
-    def __init__(self, batch: Batch, width: int) -> None:
-        index = batch.batch_idx.long()
-        local = torch.arange(batch.num_nodes, device=index.device)
-        local = local - batch.batch_ptr.long()[index]
-        components = torch.arange(3, device=index.device)
-        self.rows = index.unsqueeze(-1).expand(-1, 3)
-        self.columns = 3 * local.unsqueeze(-1) + components
+    def __init__(
+        self,
+        batch: Batch,
+        width: int,
+        cell_filter: CellFilterCoordinates | None = None,
+    ) -> None:
+        rows = Rows(batch, cell_filter)
+        components = torch.arange(3, device=rows.graph.device)
+        self.rows = rows.graph.unsqueeze(-1).expand(-1, 3)
+        self.columns = 3 * rows.local().unsqueeze(-1) + components
         self.shape = (batch.num_graphs, width)
 
     def pad(self, values: torch.Tensor) -> torch.Tensor:
-        """Return per-atom [V, 3] values as padded [B, W] rows (zero padding)."""
+        """Return per-row [R, 3] values as padded [B, W] rows (zero padding)."""
         padded = values.new_zeros(self.shape)
         return padded.index_put_((self.rows, self.columns), values)
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
-        """Return the per-atom [V, 3] values of padded [B, W] rows."""
+        """Return the per-row [R, 3] values of padded [B, W] rows."""
         return padded[self.rows, self.columns]
 
 
@@ -92,6 +101,8 @@ class BFGS(BaseDynamics):
         Largest atomic displacement per step, Å (ASE's default 0.2).
     alpha : float
         Initial Hessian, eV/Å² times identity (ASE's default 70).
+    cell_filter : CellFilterCoordinates, optional
+        Relax in the coordinates of ASE's cell filters (cell included).
     n_steps : int, optional
         Default step count of ``run``.
     hooks : list of Hook, optional
@@ -122,6 +133,7 @@ class BFGS(BaseDynamics):
         model: BaseModelMixin,
         maxstep: float = 0.2,
         alpha: float = 70.0,
+        cell_filter: CellFilterCoordinates | None = None,
         n_steps: int | None = None,
         hooks: list[Hook] | None = None,
         convergence_hook: ConvergenceHook | dict | None = None,
@@ -137,16 +149,23 @@ class BFGS(BaseDynamics):
         )
         self.maxstep = finite_positive("maxstep (Å)", maxstep)
         self.alpha = finite_positive("alpha (eV/Å²)", alpha)
+        self.cell_filter = cell_filter
+        if cell_filter is not None:
+            self.__needs_keys__ = {"forces", "stress"}
+            self.__provides_keys__ = {"positions", "cell"}
 
     # -- state --------------------------------------------------------------------
 
     def _init_state(self, batch: Batch) -> None:
         self._state = self._new_state(
-            batch.num_graphs, _width_for(batch), batch.device, batch.positions.dtype
+            batch.num_graphs,
+            self._width_for(batch),
+            batch.device,
+            batch.positions.dtype,
         )
 
     def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
-        width = max(self._state_width(), _width_for(template_batch))
+        width = max(self._state_width(), self._width_for(template_batch))
         return self._new_state(
             n, width, template_batch.device, template_batch.positions.dtype
         )
@@ -156,7 +175,7 @@ class BFGS(BaseDynamics):
     ) -> None:
         """Widen the padded state first if admitted structures are larger."""
         if getattr(self, "_state", None) is not None:
-            self._widen(_width_for(template_batch))
+            self._widen(self._width_for(template_batch))
         super()._sync_state_to_batch(remaining_indices, n_new, template_batch)
 
     def _new_state(
@@ -176,6 +195,11 @@ class BFGS(BaseDynamics):
             },
             device,
         )
+
+    def _width_for(self, batch: Batch) -> int:
+        """W = 3 × the largest structure's row count (one host read)."""
+        extra = 0 if self.cell_filter is None else 3
+        return 3 * (int(batch.num_nodes_per_graph.max()) + extra)
 
     def _state_width(self) -> int:
         state = getattr(self, "_state", None)
@@ -215,13 +239,14 @@ class BFGS(BaseDynamics):
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():
-            layout = PaddedLayout(batch, self._state_width())
-            free = free_atoms(batch).unsqueeze(-1)
-            gradient = layout.pad(torch.where(free, -batch.forces.detach(), 0.0))
-            positions = layout.pad(batch.positions.detach())
+            layout = PaddedLayout(batch, self._state_width(), self.cell_filter)
+            rows = Rows(batch, self.cell_filter)
+            free = rows.free().unsqueeze(-1)
+            gradient = layout.pad(-rows.forces())
+            positions = layout.pad(rows.positions())
             hessian = self._updated_hessian(positions, gradient)
             step = layout.unpad(self._limited_step(hessian, gradient))
-            batch.positions.add_(torch.where(free, step, 0.0))
+            rows.move(torch.where(free, step, 0.0))
             active = active_graphs(self, batch)
             keep_inactive(state.hessian, hessian, active)
             keep_inactive(state.previous_positions, positions, active)
@@ -287,8 +312,3 @@ class BFGS(BaseDynamics):
             lengths >= self.maxstep, self.maxstep / lengths, torch.ones_like(lengths)
         )
         return step * scale.unsqueeze(-1)
-
-
-def _width_for(batch: Batch) -> int:
-    """W = 3 × the largest structure's atom count (one host read)."""
-    return 3 * int(batch.num_nodes_per_graph.max())

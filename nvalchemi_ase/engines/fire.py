@@ -16,6 +16,12 @@ with every sum taken per structure. Each step of structure b, with forces F
 2. ``v ← v + dt F``; ``Δ = dt v``; if ``|Δ|`` (the whole structure's, as ASE)
    exceeds ``maxstep``, ``Δ ← maxstep Δ/|Δ|``; ``x ← x + Δ``.
 
+Under ASE's ``UnitCellFilter``/``FrechetCellFilter`` (``cell_filter``) the
+same step acts on the filter's N + 3 rows (:mod:`~nvalchemi_ase.engines.cell_filter`):
+forces, velocities, norms and ``maxstep`` over atom and cell rows, the energy
+of ``downhill_check`` the filter's ``E + p V``; the cell rows' velocities are
+``cell_velocities`` [B, 3, 3] in the state.
+
 The whole step happens in ``pre_update``, from the forces of the previous
 evaluation. State per structure: ``dt``, ``a`` [B], ``count`` [B] (ASE's
 ``Nsteps``), ``started`` [B] bool and, with ``downhill_check``, ``last_energy``
@@ -36,12 +42,12 @@ from nvalchemi.dynamics.base import BaseDynamics
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
-    free_atoms,
     keep_inactive,
     make_state,
-    per_graph_sum,
     refuse_by_group,
 )
+from nvalchemi_ase.engines._rows import Rows
+from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
     from nvalchemi.dynamics.base import ConvergenceHook
@@ -79,6 +85,8 @@ class FIRE(BaseDynamics):
         Mixing parameter of the first steps (ASE's ``a``; usually ``astart``).
     downhill_check : bool
         Go back to the previous positions when the energy rose.
+    cell_filter : CellFilterCoordinates, optional
+        Relax in the coordinates of ASE's cell filters (cell included).
     n_steps, hooks, convergence_hook
         As ``BaseDynamics``.
     **kwargs
@@ -103,6 +111,7 @@ class FIRE(BaseDynamics):
         fa: float = 0.99,
         a: float = 0.1,
         downhill_check: bool = False,
+        cell_filter: CellFilterCoordinates | None = None,
         n_steps: int | None = None,
         hooks: list[Hook] | None = None,
         convergence_hook: ConvergenceHook | dict | None = None,
@@ -123,9 +132,15 @@ class FIRE(BaseDynamics):
         self.finc, self.fdec = float(finc), float(fdec)
         self.astart, self.fa, self.a = float(astart), float(fa), float(a)
         self.downhill_check = bool(downhill_check)
+        self.cell_filter = cell_filter
         if self.downhill_check:
             self.__needs_keys__ = {"forces", "energy"}
+        if cell_filter is not None:
+            self.__needs_keys__ = self.__needs_keys__ | {"stress"}
+            self.__provides_keys__ = {"positions", "velocities", "cell"}
         self.previous_positions: torch.Tensor | None = None
+        #: [B, 3, 3] cells of the previous step (``downhill_check`` with a filter).
+        self.previous_cell: torch.Tensor | None = None
         #: Optional :data:`ResetCallback` (ASE's ``position_reset_callback``).
         self.reset_callback: ResetCallback | None = None
 
@@ -151,6 +166,10 @@ class FIRE(BaseDynamics):
         }
         if self.downhill_check:
             fields["last_energy"] = full(0.0)
+        if self.cell_filter is not None:
+            fields["cell_velocities"] = torch.zeros(
+                count, 3, 3, dtype=dtype, device=device
+            )
         return make_state(fields, device)
 
     # -- the step ---------------------------------------------------------------
@@ -172,20 +191,21 @@ class FIRE(BaseDynamics):
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():
-            index = batch.batch_idx.long()
+            rows = Rows(batch, self.cell_filter)
             active = active_graphs(self, batch)
-            free = free_atoms(batch).unsqueeze(-1)
-            forces = torch.where(free, batch.forces.detach(), 0.0)
-            velocities = batch.velocities.detach()
+            forces = rows.forces()
+            velocities = rows.velocities(self._cell_velocities())
             started = state.started
-            uphill = self._go_back_if_uphill(batch, started, active)
-            power = per_graph_sum((forces * velocities).sum(dim=-1), batch)
-            squared = per_graph_sum((forces * forces).sum(dim=-1), batch)
-            speed = per_graph_sum((velocities * velocities).sum(dim=-1), batch).sqrt()
+            uphill = self._go_back_if_uphill(batch, rows, started, active)
+            power = rows.sum((forces * velocities).sum(dim=-1))
+            squared = rows.sum((forces * forces).sum(dim=-1))
+            speed = rows.sum((velocities * velocities).sum(dim=-1)).sqrt()
             downhill = (power > 0) & ~uphill
-            mixed = (1.0 - state.a)[index].unsqueeze(-1) * velocities + (
-                state.a * speed / squared.sqrt().clamp_min(1e-300)
-            )[index].unsqueeze(-1) * forces
+            mixed = (
+                rows.spread(1.0 - state.a) * velocities
+                + rows.spread(state.a * speed / squared.sqrt().clamp_min(1e-300))
+                * forces
+            )
             grow = downhill & (state.count > self.n_min)
             dt = torch.where(
                 started,
@@ -210,31 +230,36 @@ class FIRE(BaseDynamics):
             count = torch.where(
                 started, torch.where(downhill, state.count + 1, 0), state.count
             )
-            keep = (started & downhill)[index].unsqueeze(-1)
+            keep = rows.spread(started & downhill)
             velocities = torch.where(keep, mixed, 0.0)
-            velocities = velocities + dt[index].unsqueeze(-1) * forces
-            step = dt[index].unsqueeze(-1) * velocities
-            length = per_graph_sum((step * step).sum(dim=-1), batch).sqrt()
+            velocities = velocities + rows.spread(dt) * forces
+            step = rows.spread(dt) * velocities
+            length = rows.sum((step * step).sum(dim=-1)).sqrt()
             scale = torch.where(
                 length > self.maxstep, self.maxstep / length.clamp_min(1e-300), 1.0
             )
             if self.downhill_check:
                 self.previous_positions = batch.positions.detach().clone()
-            batch.velocities.copy_(velocities)
-            batch.positions.add_(step * scale[index].unsqueeze(-1))
+                self.previous_cell = batch.cell.detach().clone()
+            rows.set_velocities(velocities, self._cell_velocities(), active)
+            rows.move(step * rows.spread(scale))
             keep_inactive(state.dt, dt, active)
             keep_inactive(state.a, a, active)
             keep_inactive(state.count, count, active)
             keep_inactive(state.started, torch.ones_like(started), active)
 
     def _go_back_if_uphill(
-        self, batch: Batch, started: torch.Tensor, active: torch.Tensor | None
+        self,
+        batch: Batch,
+        rows: Rows,
+        started: torch.Tensor,
+        active: torch.Tensor | None,
     ) -> torch.Tensor:
         """Put uphill structures back at their previous positions; [B] bool."""
         state = self._state
         if not self.downhill_check:
             return torch.zeros_like(started)
-        energy = batch.energy.detach().reshape(-1)
+        energy = rows.energy()
         previous = self.previous_positions
         uphill = started & (energy > state.last_energy)
         if previous is not None and previous.shape == batch.positions.shape:
@@ -242,11 +267,20 @@ class FIRE(BaseDynamics):
                 self.reset_callback(uphill, previous, energy, state.last_energy)
             back = uphill[batch.batch_idx.long()].unsqueeze(-1)
             batch.positions.copy_(torch.where(back, previous, batch.positions))
+            if self.cell_filter is not None and self.previous_cell is not None:
+                cell = torch.where(
+                    uphill.view(-1, 1, 1), self.previous_cell, batch.cell
+                )
+                batch.cell.copy_(cell)
         # ASE re-reads the energy at the positions it went back to: the old one
         keep_inactive(
             state.last_energy, torch.where(uphill, state.last_energy, energy), active
         )
         return uphill
+
+    def _cell_velocities(self) -> torch.Tensor | None:
+        """[B, 3, 3] velocities of the cell rows (state), None without a filter."""
+        return None if self.cell_filter is None else self._state.cell_velocities
 
     def post_update(self, batch: Batch) -> None:
         """No-op: the next step uses the forces at the new positions."""

@@ -9,6 +9,9 @@ Each step of structure b, with forces F (frozen atoms' zero) and unit masses:
    ``maxstep / (1e-6 + longest)`` (the velocity is kept as it is).
 
 This is the algorithm of ASE's ``MDMin``; the dot products are per structure.
+Under ASE's ``UnitCellFilter``/``FrechetCellFilter`` (``cell_filter``) the step
+acts on the filter's N + 3 rows (:mod:`~nvalchemi_ase.engines.cell_filter`),
+the cell rows' velocities in the state's ``cell_velocities`` [B, 3, 3].
 The velocity is ``batch.velocities`` (fictitious, unit mass), which
 nvalchemi's base class already keeps for graphs with ``status >= exit_status``.
 """
@@ -24,13 +27,12 @@ from nvalchemi.dynamics.base import BaseDynamics
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
-    free_atoms,
     keep_inactive,
     make_state,
-    per_graph_max,
-    per_graph_sum,
     refuse_by_group,
 )
+from nvalchemi_ase.engines._rows import Rows
+from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
     from nvalchemi.dynamics.base import ConvergenceHook
@@ -55,6 +57,8 @@ class MDMin(BaseDynamics):
         unit, as nvalchemi's optimizers take it (ASE's default 0.2).
     maxstep : float
         Largest atomic displacement per step, Å (ASE's default 0.2).
+    cell_filter : CellFilterCoordinates, optional
+        Relax in the coordinates of ASE's cell filters (cell included).
     n_steps : int, optional
         Default step count of ``run``.
     hooks : list of Hook, optional
@@ -82,6 +86,7 @@ class MDMin(BaseDynamics):
         model: BaseModelMixin,
         dt: float = 0.2,
         maxstep: float = 0.2,
+        cell_filter: CellFilterCoordinates | None = None,
         n_steps: int | None = None,
         hooks: list[Hook] | None = None,
         convergence_hook: ConvergenceHook | dict | None = None,
@@ -97,17 +102,25 @@ class MDMin(BaseDynamics):
         )
         self.dt = finite_positive("dt", dt)
         self.maxstep = finite_positive("maxstep (Å)", maxstep)
+        self.cell_filter = cell_filter
+        if cell_filter is not None:
+            self.__needs_keys__ = {"forces", "stress"}
+            self.__provides_keys__ = {"positions", "velocities", "cell"}
 
     def _init_state(self, batch: Batch) -> None:
-        self._state = self._new_state(batch.num_graphs, batch.device)
+        self._state = self._new_state(batch.num_graphs, batch)
 
     def _make_new_state(self, n: int, template_batch: Batch) -> Batch:
-        return self._new_state(n, template_batch.device)
+        return self._new_state(n, template_batch)
 
-    @staticmethod
-    def _new_state(count: int, device: torch.device) -> Batch:
-        started = torch.zeros(count, dtype=torch.bool, device=device)
-        return make_state({"started": started}, device)
+    def _new_state(self, count: int, template: Batch) -> Batch:
+        device = template.device
+        fields = {"started": torch.zeros(count, dtype=torch.bool, device=device)}
+        if self.cell_filter is not None:
+            fields["cell_velocities"] = torch.zeros(
+                count, 3, 3, dtype=template.positions.dtype, device=device
+            )
+        return make_state(fields, device)
 
     def pre_update(self, batch: Batch) -> None:
         """Project and kick the velocities, then move every structure.
@@ -125,29 +138,29 @@ class MDMin(BaseDynamics):
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():
-            index = batch.batch_idx.long()
-            free = free_atoms(batch).unsqueeze(-1)
-            forces = torch.where(free, batch.forces.detach(), 0.0)
+            rows = Rows(batch, self.cell_filter)
+            active = active_graphs(self, batch)
+            forces = rows.forces()
             half_kick = 0.5 * self.dt * forces
-            kicked = batch.velocities + half_kick
-            along = per_graph_sum((kicked * forces).sum(dim=-1), batch)
-            squared = per_graph_sum((forces * forces).sum(dim=-1), batch)
+            kicked = rows.velocities(self._cell_velocities()) + half_kick
+            along = rows.sum((kicked * forces).sum(dim=-1))
+            squared = rows.sum((forces * forces).sum(dim=-1))
             factor = torch.where(
                 (along > 0) & (squared > 0), along / squared, torch.zeros_like(along)
             )
-            projected = forces * factor[index].unsqueeze(-1)
-            started = state.started[index].unsqueeze(-1)
+            projected = forces * rows.spread(factor)
+            started = rows.spread(state.started)
             velocities = torch.where(started, projected, 0.0) + half_kick
             displacement = self.dt * velocities
-            longest = per_graph_max(displacement.norm(dim=-1), batch)
+            longest = rows.max(displacement.norm(dim=-1))
             scale = (self.maxstep / (STEP_GUARD + longest)).clamp(0.0, 1.0)
-            batch.velocities.copy_(velocities)
-            batch.positions.add_(displacement * scale[index].unsqueeze(-1))
-            keep_inactive(
-                state.started,
-                torch.ones_like(state.started),
-                active_graphs(self, batch),
-            )
+            rows.set_velocities(velocities, self._cell_velocities(), active)
+            rows.move(displacement * rows.spread(scale))
+            keep_inactive(state.started, torch.ones_like(state.started), active)
+
+    def _cell_velocities(self) -> torch.Tensor | None:
+        """[B, 3, 3] velocities of the cell rows (state), None without a filter."""
+        return None if self.cell_filter is None else self._state.cell_velocities
 
     def post_update(self, batch: Batch) -> None:
         """No-op: the next step uses the forces at the new positions."""

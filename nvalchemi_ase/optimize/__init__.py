@@ -3,16 +3,18 @@
 =============  ==================================  =================================
 class          nvalchemi engine                    with a cell filter
 =============  ==================================  =================================
-``FIRE``       ``nvalchemi_ase.engines.FIRE``      refused (use FIRE2 or LBFGS)
+``FIRE``       ``nvalchemi_ase.engines.FIRE``      the same, on ASE's filter rows
 ``FIRE2``      ``FIRE2``                           ``FIRE2VariableCell``
 ``LBFGS``      ``LBFGS``                           ``LBFGSVariableCell``
-``BFGS``       ``nvalchemi_ase.engines.BFGS``      refused (use LBFGS or FIRE2)
-``MDMin``      ``nvalchemi_ase.engines.MDMin``     refused (use LBFGS or FIRE2)
+``BFGS``       ``nvalchemi_ase.engines.BFGS``      the same, on ASE's filter rows
+``MDMin``      ``nvalchemi_ase.engines.MDMin``     the same, on ASE's filter rows
 =============  ==================================  =================================
 
 ``FIRE``, ``BFGS`` and ``MDMin`` run batched engines of this package (ASE's
 algorithms; nvalchemi 0.3 has none, or a different FIRE): each structure
-follows ASE's path for it step for step.
+follows ASE's path for it step for step, under ``FrechetCellFilter`` or
+``UnitCellFilter`` too (the engines move the filter's N + 3 generalized rows,
+:mod:`nvalchemi_ase.engines.cell_filter`, in the user's frame).
 """
 
 from nvalchemi_ase.optimize.bfgs import BFGS

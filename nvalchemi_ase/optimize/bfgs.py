@@ -31,9 +31,12 @@ class BFGS(BatchedOptimizer):
 
     Parameters
     ----------
-    images : ase.Atoms or sequence of ase.Atoms
-        Structures to relax (fixed cell; ``FixAtoms`` honoured). Cell filters
-        are refused: use ``LBFGS`` or ``FIRE2`` for variable-cell relaxation.
+    images : ase.Atoms, FrechetCellFilter, UnitCellFilter, or a sequence
+        Structures to relax (``FixAtoms`` honoured; under a filter, as ASE, a
+        fixed atom moves with the cell, and other constraints are refused). Under a
+        cell filter each structure follows ASE's BFGS on ASE's filter: the
+        Hessian is over the filter's 3(N + 3) generalized coordinates and
+        ``maxstep`` caps their rows, every filter option included.
     restart, logfile, trajectory, append_trajectory
         See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
     maxstep : float, optional
@@ -46,11 +49,14 @@ class BFGS(BatchedOptimizer):
 
     Notes
     -----
-    Memory is one (3N)² Hessian per structure, padded to the largest
+    Memory is one (3N)² Hessian per structure (3(N + 3) under a cell
+    filter), padded to the largest
     structure of the batch, and each step diagonalises them all: like ASE's
     BFGS this is meant for structures up to a few hundred atoms (use
     ``LBFGS`` beyond).
     """
+
+    filter_in_engine = True
 
     def __init__(
         self,
@@ -81,11 +87,6 @@ class BFGS(BatchedOptimizer):
 
     def _check_inputs(self) -> None:
         super()._check_inputs()
-        if self.cell_filter is not None:
-            raise ValueError(
-                "BFGS with a cell filter is not supported; use LBFGS or FIRE2 with "
-                "FrechetCellFilter"
-            )
         for name in ("maxstep", "alpha"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
@@ -113,6 +114,11 @@ class BFGS(BatchedOptimizer):
             ``trajectory="relax_{i}.traj"``) or a list; one structure may give
             one.
         """
+        if self.cell_filter is not None:
+            raise ValueError(
+                "BFGS.replay_trajectory is not supported with a cell filter (its "
+                "frames hold no filter coordinates); use restart= to continue"
+            )
         self._replay = replay_frames(traj, self.images)
         if self._primed:
             self._after_priming()
@@ -142,5 +148,9 @@ class BFGS(BatchedOptimizer):
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.bfgs")
         return engines.BFGS(
-            self.model, maxstep=self.maxstep, alpha=self.alpha, hooks=hooks
+            self.model,
+            maxstep=self.maxstep,
+            alpha=self.alpha,
+            cell_filter=self._cell_coordinates,
+            hooks=hooks,
         )

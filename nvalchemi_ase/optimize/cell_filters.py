@@ -40,7 +40,9 @@ from nvalchemi_ase.dynamics.hooks import StageHook
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
-__all__ = ["FilterOptions", "filter_options"]
+    from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
+
+__all__ = ["FilterOptions", "filter_coordinates", "filter_options"]
 
 
 @dataclass
@@ -198,4 +200,50 @@ def filter_options(
         hydrostatic=tensor(hydrostatic, torch.bool),
         constant_volume=tensor(constant, torch.bool),
         mask=tensor(masks),
+    )
+
+
+def filter_coordinates(
+    filters: Sequence[Any], kind: str, batch: Batch
+) -> CellFilterCoordinates:
+    """ASE's filter coordinates for this package's engines (FIRE, BFGS, MDMin).
+
+    Unlike nvalchemi's variable-cell engines these move the filter's own
+    N + 3 rows (:mod:`nvalchemi_ase.engines.cell_filter`), in the user's
+    frame: every option, masks included, acts as in ASE.
+
+    Parameters
+    ----------
+    filters : sequence of FrechetCellFilter or UnitCellFilter
+        One filter per structure, in batch order.
+    kind : str
+        ``"FrechetCellFilter"`` or ``"UnitCellFilter"``.
+    batch : nvalchemi.data.Batch
+        The batch (device, dtype).
+
+    Returns
+    -------
+    CellFilterCoordinates
+    """
+    from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
+
+    device, dtype = batch.positions.device, batch.positions.dtype
+
+    def tensor(values: Any, kind: torch.dtype = dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values), dtype=kind, device=device)
+
+    frechet = kind == "FrechetCellFilter"
+    cell_factor = [float(f.cell_factor) for f in filters]
+    return CellFilterCoordinates(
+        frechet=frechet,
+        reference=tensor(np.stack([np.asarray(f.orig_cell) for f in filters])),
+        cell_factor=tensor(cell_factor),
+        exp_cell_factor=tensor(
+            [float(f.exp_cell_factor) for f in filters] if frechet else cell_factor
+        ),
+        atom_count=tensor([float(len(f.atoms)) for f in filters]),
+        pressure=tensor([float(f.scalar_pressure) for f in filters]),
+        hydrostatic=tensor([bool(f.hydrostatic_strain) for f in filters], torch.bool),
+        constant_volume=tensor([bool(f.constant_volume) for f in filters], torch.bool),
+        mask=tensor(np.stack([np.asarray(f.mask, dtype=np.float64) for f in filters])),
     )

@@ -29,8 +29,13 @@ class FIRE(BatchedOptimizer):
 
     Parameters
     ----------
-    images : ase.Atoms or sequence of ase.Atoms
-        Structures to relax (fixed cell; for a cell filter use FIRE2 or LBFGS).
+    images : ase.Atoms, FrechetCellFilter, UnitCellFilter, or a sequence
+        Structures to relax. Under a cell filter each structure follows ASE's
+        FIRE on ASE's filter (N + 3 generalized rows; ``maxstep`` and ``dt``
+        act on them, ``downhill_check`` compares the filter's ``E + p V``),
+        every filter option included; ``FixAtoms`` is honoured (under a
+        filter, as ASE, a fixed atom moves with the cell; other constraints
+        are refused there).
     restart, logfile, trajectory, append_trajectory
         See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
     dt : float
@@ -54,11 +59,13 @@ class FIRE(BatchedOptimizer):
     position_reset_callback : callable, optional
         ``callback(atoms, r_last, e, e_last)`` for every structure sent back
         (ASE's ``(optimizable, r, e, e_last)``; here the structure's ``Atoms``,
-        its previous positions (N, 3) Å and the energies, eV). Costs a host
-        read per step.
+        its previous positions (N, 3) Å (Cartesian, also under a cell filter)
+        and the energies, eV). Costs a host read per step.
     **kwargs
         ``loginterval``, ``model``, ``device``, ``dtype``, ``neighbor_skin``.
     """
+
+    filter_in_engine = True
 
     def __init__(
         self,
@@ -103,11 +110,6 @@ class FIRE(BatchedOptimizer):
 
     def _check_inputs(self) -> None:
         super()._check_inputs()
-        if self.cell_filter is not None:
-            raise ValueError(
-                "FIRE with a cell filter is not supported yet; use FIRE2 or LBFGS "
-                "with FrechetCellFilter"
-            )
         for name in ("dt", "maxstep", "dtmax"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -127,6 +129,7 @@ class FIRE(BatchedOptimizer):
             fa=self.fa,
             a=self.a,
             downhill_check=self.downhill_check,
+            cell_filter=self._cell_coordinates,
             hooks=hooks,
         )
         if self.position_reset_callback is not None:
@@ -216,10 +219,6 @@ class FIRE2(BatchedOptimizer):
         for name in ("dt", "maxstep", "dtmax", "dtmin"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def default_skin(self) -> float:
-        """Verlet skin of the neighbour list when none is given, Å."""
-        return 0.0 if self.cell_filter is not None else super().default_skin()
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""

@@ -120,10 +120,6 @@ class LBFGS(BatchedOptimizer):
             for key, value in kept.items():
                 batch[key].copy_(value)
 
-    def default_skin(self) -> float:
-        """Verlet skin of the neighbour list when none is given, Å."""
-        return 0.0 if self.cell_filter is not None else super().default_skin()
-
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")

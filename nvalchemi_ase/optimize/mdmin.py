@@ -24,8 +24,11 @@ class MDMin(BatchedOptimizer):
 
     Parameters
     ----------
-    images : ase.Atoms or sequence of ase.Atoms
-        Structures to relax (fixed cell; ``FixAtoms`` honoured).
+    images : ase.Atoms, FrechetCellFilter, UnitCellFilter, or a sequence
+        Structures to relax (``FixAtoms`` honoured; under a filter, as ASE, a
+        fixed atom moves with the cell, and other constraints are refused). Under a
+        cell filter each structure follows ASE's MDMin on ASE's filter (N + 3
+        generalized rows, ``maxstep`` capping each), every option included.
     restart, logfile, trajectory
         See :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer`.
     dt : float, optional
@@ -37,6 +40,8 @@ class MDMin(BatchedOptimizer):
         ``append_trajectory``, ``loginterval``, ``model``, ``device``,
         ``dtype``, ``neighbor_skin``.
     """
+
+    filter_in_engine = True
 
     def __init__(
         self,
@@ -57,11 +62,6 @@ class MDMin(BatchedOptimizer):
 
     def _check_inputs(self) -> None:
         super()._check_inputs()
-        if self.cell_filter is not None:
-            raise ValueError(
-                "MDMin with a cell filter is not supported; use LBFGS or FIRE2 with "
-                "FrechetCellFilter"
-            )
         for name in ("dt", "maxstep"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
@@ -74,4 +74,10 @@ class MDMin(BatchedOptimizer):
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.mdmin")
-        return engines.MDMin(self.model, dt=self.dt, maxstep=self.maxstep, hooks=hooks)
+        return engines.MDMin(
+            self.model,
+            dt=self.dt,
+            maxstep=self.maxstep,
+            cell_filter=self._cell_coordinates,
+            hooks=hooks,
+        )

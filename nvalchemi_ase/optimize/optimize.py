@@ -12,18 +12,26 @@ import functools
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
+from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
-from nvalchemi_ase.optimize.cell_filters import FilterOptions, filter_options
+from nvalchemi_ase.optimize.cell_filters import (
+    FilterOptions,
+    filter_coordinates,
+    filter_options,
+)
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
+
+if TYPE_CHECKING:
+    from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 __all__ = ["DEFAULT_MAX_STEPS", "BatchedOptimizer"]
 
@@ -60,6 +68,10 @@ class BatchedOptimizer(BatchedDynamics):
 
     accepts_cell_filters = True
     velocities_are_momenta = False
+    #: Whether the engine moves ASE's filter coordinates itself (this package's
+    #: FIRE, BFGS, MDMin: ASE's path, in the user's frame) rather than
+    #: nvalchemi's variable-cell engines (aligned cells, options as hooks).
+    filter_in_engine: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -72,6 +84,7 @@ class BatchedOptimizer(BatchedDynamics):
     ) -> None:
         self.fmax: float | None = None
         self._filter_options: FilterOptions | None = None
+        self._cell_coordinates: CellFilterCoordinates | None = None
         super().__init__(
             images,
             logfile=logfile,
@@ -95,7 +108,11 @@ class BatchedOptimizer(BatchedDynamics):
     def _builtin_hooks(self, skin: float) -> list[Any]:
         hooks = super()._builtin_hooks(skin)
         self._filter_options = None
-        if self.cell_filter is not None:
+        if self.cell_filter is not None and self.filter_in_engine:
+            self._cell_coordinates = filter_coordinates(
+                self.cell_filter.filters, self.cell_filter.kind, self.batch
+            )
+        elif self.cell_filter is not None:
             self._filter_options = filter_options(
                 self.cell_filter.filters, self.batch, self._alignment
             )
@@ -109,7 +126,13 @@ class BatchedOptimizer(BatchedDynamics):
         # Optimizers move fictitious particles: like ASE's, they use unit masses
         # (nvalchemi's FIRE would otherwise integrate with the atomic masses).
         batch.atomic_masses.fill_(1.0)
-        if self.cell_filter is not None:
+        if self.cell_filter is not None and self.filter_in_engine:
+            # the user's frame: nothing to rotate, nothing to undo
+            self._alignment = np.ascontiguousarray(
+                np.broadcast_to(np.eye(3), (len(self.images), 3, 3))
+            )
+            self._aligned_cell0 = batch.cell.detach().cpu().numpy().astype(np.float64)
+        elif self.cell_filter is not None:
             self._align_cells(batch)
         return batch
 
@@ -140,7 +163,7 @@ class BatchedOptimizer(BatchedDynamics):
         strain only; the rotating part R of the polar decomposition F = P R of
         the cell deformation is removed, so only the strain reaches the user.
         """
-        if self.cell_filter is None:
+        if self.cell_filter is None or self.filter_in_engine:
             return None
         cell = self.batch.cell.detach().cpu().numpy().astype(np.float64)
         deformation = np.linalg.solve(self._aligned_cell0, cell)
@@ -474,6 +497,8 @@ class BatchedOptimizer(BatchedDynamics):
 
     def _fmax_per_structure(self) -> torch.Tensor:
         """Largest force norm per structure, (B,), eV/Å (reused by the next call)."""
+        if self._cell_coordinates is not None:
+            return self._filter_fmax(self._cell_coordinates)
         norms = torch.linalg.vector_norm(self.batch.forces.detach(), dim=1)
         fmax = self._largest_force
         if fmax.dtype != norms.dtype:
@@ -485,6 +510,12 @@ class BatchedOptimizer(BatchedDynamics):
         if self.cell_filter is not None:
             fmax = torch.maximum(fmax, self._cell_fmax())
         return fmax
+
+    def _filter_fmax(self, coordinates: CellFilterCoordinates) -> torch.Tensor:
+        """ASE's fmax under its filter: largest row of ``filter.get_forces()``, (B,)."""
+        rows_module = import_quietly("nvalchemi_ase.engines._rows")
+        rows = rows_module.Rows(self.batch, coordinates)
+        return rows.max(torch.linalg.vector_norm(rows.forces(), dim=1))
 
     def _cell_fmax(self) -> torch.Tensor:
         """Largest cell-force row, ``|σ V| / cell_factor`` (ASE's filters)."""
@@ -511,12 +542,45 @@ class BatchedOptimizer(BatchedDynamics):
                 f"a cell filter needs stress, but {type(self.model).__name__} does not "
                 "output it"
             )
+        self._check_filter_constraints()
         for index, atoms in enumerate(self.images):
-            if np.linalg.det(atoms.cell.array) <= 0:
+            if not self.filter_in_engine and np.linalg.det(atoms.cell.array) <= 0:
                 raise ValueError(
                     f"images[{index}] has a left-handed cell; nvalchemi's "
                     "variable-cell "
                     "optimizers need right-handed cells (swap two lattice vectors)"
+                )
+
+    def default_skin(self) -> float:
+        """Verlet skin of the neighbour list when none is given, Å."""
+        return 0.0 if self.cell_filter is not None else super().default_skin()
+
+    def _engine_freezes_atoms(self) -> bool:
+        """Under a filter FIRE, BFGS and MDMin keep frozen rows themselves.
+
+        ASE's ``FixAtoms`` under a filter keeps an atom's filter row (its
+        position in the undeformed cell), so the atom moves with the cell;
+        nvalchemi's ``FreezeAtomsHook`` would hold its Cartesian position.
+        """
+        return self.filter_in_engine and self.cell_filter is not None
+
+    def _adopt_new_constraints(self) -> None:
+        self._check_filter_constraints()
+        super()._adopt_new_constraints()
+
+    def _check_filter_constraints(self) -> None:
+        """Under a filter, FIRE, BFGS and MDMin honour ``FixAtoms`` only."""
+        if not self._engine_freezes_atoms():
+            return
+        for index, atoms in enumerate(self.images):
+            names = [
+                type(c).__name__ for c in atoms.constraints if type(c) is not FixAtoms
+            ]
+            if names:
+                raise ValueError(
+                    f"images[{index}] has constraint {', '.join(names)}: "
+                    f"{type(self).__name__} with a cell filter honours FixAtoms "
+                    "only; remove it, or use ASE's own optimizer for this structure"
                 )
 
     def engine_outputs(self) -> set[str]:

@@ -71,8 +71,9 @@ __all__ = [
 
 #: Optimizers for fixed-cell (ion) relaxations, by ASE name.
 FIXED_CELL_OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS")
-#: Optimizers that relax the cell under ``FrechetCellFilter``.
-VARIABLE_CELL_OPTIMIZERS = ("FIRE2", "LBFGS")
+#: Optimizers that relax the cell under ``FrechetCellFilter`` (FIRE and BFGS
+#: on ASE's filter coordinates, FIRE2 and LBFGS on nvalchemi's engines).
+VARIABLE_CELL_OPTIMIZERS = ("FIRE2", "LBFGS", "FIRE", "BFGS")
 
 
 def resolve_calculator(

@@ -179,7 +179,8 @@ def elastic_constants(
         Relax cell and ions of every material first (one batched
         ``FrechetCellFilter`` run with ``cell_optimizer``).
     cell_optimizer : str
-        ``FIRE2`` (default) or ``LBFGS``. nvalchemi 0.3's ``LBFGSVariableCell``
+        ``FIRE2`` (default), ``LBFGS``, or ``FIRE``/``BFGS`` (ASE's path on
+        ASE's filter). nvalchemi 0.3's ``LBFGSVariableCell``
         can take a first cell step large enough to collapse a small cell (a
         one-atom Cu cell with SevenNet-0 overflowed its neighbour list), which
         FIRE2 does not.

@@ -158,8 +158,8 @@ def equation_of_state(
         ``FrechetCellFilter`` with ``cell_optimizer``) and scale the relaxed
         cells.
     cell_optimizer : str
-        ``FIRE2`` (default) or ``LBFGS``, the optimizers with a variable-cell
-        engine. nvalchemi 0.3's ``LBFGSVariableCell`` can take a first cell
+        ``FIRE2`` (default), ``LBFGS``, or ``FIRE``/``BFGS`` (ASE's path on
+        ASE's filter). nvalchemi 0.3's ``LBFGSVariableCell`` can take a first cell
         step large enough to collapse a small cell (a one-atom Cu cell with
         SevenNet-0 overflowed its neighbour list), which FIRE2 does not.
     device, dtype

@@ -86,7 +86,9 @@ def irelax(
         Step limit of each structure (its own steps, counted from admission).
     cell_filter : class, optional
         ASE's ``FrechetCellFilter`` or ``UnitCellFilter``: relax the cells too
-        (optimizers that take cell filters: FIRE2, LBFGS). Refills then
+        (every optimizer takes one: FIRE, BFGS and MDMin follow ASE's path on
+        ASE's filter, FIRE2 and LBFGS run nvalchemi's variable-cell engines;
+        under a cell filter FIRE, BFGS and MDMin honour FixAtoms only). Refills then
         wait for the whole working batch (see the module docstring).
     max_atoms, max_edges : int, optional
         Working-batch limits (atoms; ordered pairs within the model's cutoff).
