@@ -40,6 +40,8 @@ __all__ = [
     "neighbor_hook_reference",
     "neighbor_hook_state",
     "open_hooks",
+    "pipeline_all_done",
+    "pipeline_start",
     "prime_engine",
 ]
 
@@ -155,6 +157,21 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         ),
         "put a restored neighbour list back into the batch (exact restart)",
     ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "DistributedPipeline",
+        "_share_templates",
+        (),
+        "give every stage its receive template, as run() does, before stepping",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "DistributedPipeline",
+        "_sync_done_flags",
+        (),
+        "run()'s per-iteration all-reduce of the stages' done flags, so a "
+        "pipeline can stop at a step limit (run() has none)",
+    ),
 )
 
 # Attributes (not callables) read or written; checked on live objects.
@@ -200,6 +217,17 @@ def prime_engine(engine: BaseDynamics, batch: Batch) -> None:
 def ensure_bookkeeping_fields(engine: BaseDynamics, batch: Batch) -> None:
     """Give ``batch`` the ``status`` (and per-stage counter) columns now."""
     engine._ensure_bookkeeping_fields(batch)
+
+
+def pipeline_start(pipeline: Any) -> None:
+    """Wire a ``DistributedPipeline``'s stages and templates, as its ``run()`` does."""
+    pipeline.setup()
+    pipeline._share_templates()
+
+
+def pipeline_all_done(pipeline: Any) -> bool:
+    """All-reduce the stages' done flags (collective); True when every one is done."""
+    return bool(pipeline._sync_done_flags())
 
 
 def eager_call(compiled: Any) -> Any:
