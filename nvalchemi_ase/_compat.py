@@ -41,6 +41,8 @@ __all__ = [
     "neighbor_hook_reference",
     "neighbor_hook_state",
     "open_hooks",
+    "pipeline_all_done",
+    "pipeline_start",
     "prime_engine",
 ]
 
@@ -163,6 +165,21 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         ),
         "put a restored neighbour list back into the batch (exact restart)",
     ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "DistributedPipeline",
+        "_share_templates",
+        (),
+        "give every stage its receive template, as run() does, before stepping",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.base",
+        "DistributedPipeline",
+        "_sync_done_flags",
+        (),
+        "run()'s per-iteration all-reduce of the stages' done flags, so a "
+        "pipeline can stop at a step limit (run() has none)",
+    ),
 )
 
 # Attributes (not callables) read or written; checked on live objects.
@@ -218,6 +235,17 @@ def ensure_substage_states(engine: Any, batch: Batch) -> None:
     """
     for _, sub_stage in engine.sub_stages:
         sub_stage._ensure_state_initialized(batch)
+
+
+def pipeline_start(pipeline: Any) -> None:
+    """Wire a ``DistributedPipeline``'s stages and templates, as its ``run()`` does."""
+    pipeline.setup()
+    pipeline._share_templates()
+
+
+def pipeline_all_done(pipeline: Any) -> bool:
+    """All-reduce the stages' done flags (collective); True when every one is done."""
+    return bool(pipeline._sync_done_flags())
 
 
 def eager_call(compiled: Any) -> Any:

@@ -35,7 +35,7 @@ from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
-__all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD"]
+__all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD", "check_parts"]
 
 #: Stage codes of :attr:`RelaxThenMD.stage` (nvalchemi's ``status`` values).
 RELAXING, RUNNING_MD, FINISHED = 0, 1, 2
@@ -86,7 +86,7 @@ class RelaxThenMD(BatchedDynamics):
         restart: str | os.PathLike[str] | None = None,
         restart_interval: int | None = None,
     ) -> None:
-        _check_parts(optimizer, md)
+        check_parts(optimizer, md)
         if not fmax > 0:
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if md_steps is not None and md_steps < 1:
@@ -359,13 +359,23 @@ def _host(value: torch.Tensor) -> npt.NDArray[Any]:
     return value.detach().cpu().numpy().copy()
 
 
-def _check_parts(optimizer: Any, md: Any) -> None:
+def check_parts(optimizer: Any, md: Any, *, operator: str = "+") -> None:
+    """Refuse an optimizer and an MD object that cannot be composed (``+`` or ``|``).
+
+    Raises
+    ------
+    TypeError
+        If they are not this package's optimizer and MD classes.
+    ValueError
+        If they run different ``Atoms`` or models, relax the cell, or have run.
+    """
     if not isinstance(optimizer, BatchedOptimizer) or not isinstance(
         md, BatchedMolecularDynamics
     ):
         raise TypeError(
-            "relax + md needs an nvalchemi_ase optimizer followed by an nvalchemi_ase "
-            f"MD object, got {type(optimizer).__name__} + {type(md).__name__}"
+            f"relax {operator} md needs an nvalchemi_ase optimizer followed by an "
+            f"nvalchemi_ase MD object, got {type(optimizer).__name__} {operator} "
+            f"{type(md).__name__}"
         )
     if len(optimizer.images) != len(md.images) or any(
         a is not b for a, b in zip(optimizer.images, md.images, strict=True)
@@ -377,6 +387,6 @@ def _check_parts(optimizer: Any, md: Any) -> None:
     if optimizer.model is not md.model:
         raise ValueError("the optimizer and the MD object must share one model")
     if optimizer.cell_filter is not None:
-        raise ValueError("relax + md supports fixed-cell relaxation only")
+        raise ValueError(f"relax {operator} md supports fixed-cell relaxation only")
     if optimizer.nsteps or md.nsteps:
         raise ValueError("compose the optimizer and the MD object before running them")

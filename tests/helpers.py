@@ -92,6 +92,9 @@ def signal_when(
             process.stderr.close()
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def snapshot(atoms: Atoms) -> dict:
     """Copy of everything a caller could see change on ``atoms``."""
     return {
@@ -142,3 +145,23 @@ def write_results(path, frames) -> None:
             copy.info.pop("failure", None)
         copies.append(copy)
     write(path, copies, format="extxyz")
+
+
+def torchrun(*arguments: str, ranks: int = 2, cwd: Path = ROOT) -> str:
+    """Run ``python -m torch.distributed.run`` with one thread per rank."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        *arguments,
+    ]
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout

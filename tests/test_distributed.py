@@ -35,7 +35,7 @@ from nvalchemi_ase.runners.distributed import (
 )
 from nvalchemi_ase.runners.files import Sink, merge_shards
 from tests.distributed_worker import RUNS
-from tests.helpers import write_results
+from tests.helpers import torchrun, write_results
 from tests.structures import mixed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,26 +45,6 @@ ENERGY_ATOL = 1e-10  # eV
 POSITION_ATOL = 1e-8  # Å (an optimizer path amplifies round-off a little)
 FILE_ATOL = 1e-8  # extxyz columns are written with 8 decimals (Å, eV/Å)
 COUNT = 100
-
-
-def torchrun(*arguments: str, ranks: int = 2, cwd: Path = ROOT) -> str:
-    """Run ``python -m torch.distributed.run`` with one thread per rank."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        *arguments,
-    ]
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
 
 
 def _assert_same_structures(got, expected, *, kind: str) -> None:

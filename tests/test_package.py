@@ -110,6 +110,7 @@ LAYERS = [
     ("nvalchemi_ase.md", "nvalchemi_ase.optimize", "nvalchemi_ase.wrap"),
     (
         "nvalchemi_ase.compose",
+        "nvalchemi_ase.pipeline",
         "nvalchemi_ase.mep",
         "nvalchemi_ase.properties",
         "nvalchemi_ase.runners",
@@ -122,6 +123,8 @@ LAYERS = [
 DOCUMENTED_LAZY_EDGES = {
     # optimizer.then(md) / optimizer + md builds the composition above both
     ("nvalchemi_ase.optimize.optimize", "nvalchemi_ase.compose"),
+    # optimizer.pipe(md) / optimizer | md builds the two-rank pipeline
+    ("nvalchemi_ase.optimize.optimize", "nvalchemi_ase.pipeline"),
 }
 # Siblings in one layer that must not import each other (as in ASE).
 SEPARATE = [("nvalchemi_ase.md", "nvalchemi_ase.optimize")]

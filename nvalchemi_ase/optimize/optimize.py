@@ -274,6 +274,32 @@ class BatchedOptimizer(BatchedDynamics):
         """``optimizer + md``: :meth:`then` with its defaults."""
         return self.then(md)
 
+    def pipe(self, md: Any, *, fmax: float = 0.05, md_steps: int | None = None) -> Any:
+        """Relax on rank 0 and run MD on rank 1 (two ranks started by torchrun).
+
+        Parameters
+        ----------
+        md : BatchedMolecularDynamics
+            MD over the same ``Atoms`` objects and model.
+        fmax : float
+            Hand-over threshold on the largest force, eV/Å.
+        md_steps : int, optional
+            MD steps per structure after it relaxed (None: until ``run`` ends).
+
+        Returns
+        -------
+        RelaxThenMDPipeline
+            nvalchemi's ``DistributedPipeline`` behind an ASE-style ``run()``;
+            ``optimizer | md`` is ``optimizer.pipe(md)``.
+        """
+        from nvalchemi_ase.pipeline import RelaxThenMDPipeline
+
+        return RelaxThenMDPipeline(self, md, fmax=fmax, md_steps=md_steps)
+
+    def __or__(self, md: Any) -> Any:
+        """``optimizer | md``: :meth:`pipe` with its defaults."""
+        return self.pipe(md)
+
     @property
     def optimizable(self) -> Any:
         """ASE's ``Optimizable`` of the structure, or a list of one per structure.

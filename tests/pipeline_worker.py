@@ -1,0 +1,72 @@
+"""One rank of the stage-pipeline test (``torchrun -m tests.pipeline_worker``).
+
+``python -m torch.distributed.run --standalone --nproc_per_node=2 -m
+tests.pipeline_worker OPTIMIZER ORDER FOLDER`` takes the structures of
+:func:`images` in ``ORDER`` (input indices, e.g. ``1,0,2``) with the LJ model
+(float64, CPU), runs ``OPTIMIZER(images) | VelocityVerlet(images, ...)``
+(``optimizer.pipe(md, **PIPE)``) and writes what this rank's ``Atoms`` hold
+afterwards to ``FOLDER/rank{R}.npz``; the test compares it with the
+single-process ``optimizer + md``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from ase import units
+
+#: Hand-over threshold (eV/Å) and MD steps per structure, shared with the test.
+PIPE = {"fmax": 0.01, "md_steps": 15}
+#: Velocity Verlet time step, ASE time units.
+TIMESTEP = 2 * units.fs
+
+
+def images(calc, order):
+    """Two rattled argon crystals and an Ar55 cluster, thermalized (30 K)."""
+    from tests.structures import cluster, rattled_bulk, thermalize
+
+    structures = [
+        rattled_bulk(repeat=2, seed=1, stdev=0.002),  # relaxed after one step
+        rattled_bulk(repeat=2, seed=2, stdev=0.12),
+        cluster(),
+    ]
+    for index, atoms in enumerate(structures):
+        thermalize(atoms, 30.0, seed=index)
+        atoms.calc = calc
+    return [structures[index] for index in order]
+
+
+def state(structures, stage, relax_steps) -> dict[str, np.ndarray]:
+    """What the test compares, as flat arrays (atoms of all structures stacked)."""
+    return {
+        "positions": np.concatenate([a.positions for a in structures]),
+        "momenta": np.concatenate([a.get_momenta() for a in structures]),
+        "forces": np.concatenate([a.get_forces() for a in structures]),
+        "energies": np.array([a.get_potential_energy() for a in structures]),
+        "stage": np.asarray(stage),
+        "relax_steps": np.asarray(relax_steps),
+    }
+
+
+def main() -> None:
+    from nvalchemi_ase import NVAlchemiCalculator, md, optimize
+
+    optimizer = getattr(optimize, sys.argv[1])
+    order = [int(index) for index in sys.argv[2].split(",")]
+    folder = Path(sys.argv[3])
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    structures = images(calc, order)
+    pipeline = optimizer(structures, logfile=None).pipe(
+        md.VelocityVerlet(structures, TIMESTEP), **PIPE
+    )
+    done = pipeline.run(1000)
+    rank = os.environ.get("RANK", "0")
+    result = state(structures, pipeline.stage, pipeline.relax_steps)
+    np.savez(folder / f"rank{rank}.npz", done=done, nsteps=pipeline.nsteps, **result)
+
+
+if __name__ == "__main__":
+    main()
