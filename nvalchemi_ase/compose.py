@@ -213,9 +213,18 @@ class RelaxThenMD(BatchedDynamics):
         return outputs
 
     def _momenta_mask(self) -> npt.NDArray[np.bool_]:
+        """Structures whose velocities are MD's: those that took an MD step.
+
+        A structure that has just converged is already in stage 1, but its
+        velocities are the optimizer's until its first MD step gives it its
+        entry momenta; until then its ``Atoms`` (and frames) keep their own.
+        """
         if "status" not in self.batch:  # restoring, before the engine's columns
             return np.zeros(len(self.images), dtype=bool)
-        return self.stage >= RUNNING_MD
+        entered = self._entry_hook()._entered
+        if entered is None:
+            return np.zeros(len(self.images), dtype=bool)
+        return entered.detach().cpu().numpy().astype(bool)
 
     # -- checkpoints (restart=) ------------------------------------------------
 

@@ -70,6 +70,23 @@ def test_fused_run_equals_relaxing_then_md_one_after_the_other(lj_calc64):
     np.testing.assert_allclose(atoms.get_momenta(), sequential.get_momenta(), atol=1e-6)
 
 
+def test_a_structure_handed_over_keeps_its_momenta_until_its_first_md_step(
+    lj_calc64,
+):
+    """At the hand-over step its velocities are still the optimizer's."""
+    images = _images(lj_calc64)
+    initial = [atoms.get_momenta().copy() for atoms in images]
+    fused = FIRE2(images, logfile=None).then(
+        VelocityVerlet(images, 2 * units.fs), fmax=0.01, md_steps=MD_STEPS
+    )
+    assert not fused.run(1)
+    assert fused.stage.tolist() == [RUNNING_MD, RELAXING, RELAXING]
+    for atoms, momenta in zip(images, initial, strict=True):
+        np.testing.assert_array_equal(atoms.get_momenta(), momenta)
+    assert not fused.run(1)  # its first MD step starts from its own momenta
+    assert not np.array_equal(images[0].get_momenta(), initial[0])
+
+
 def test_composition_checks_its_parts(lj_calc64):
     images = _images(lj_calc64)
     others = [a.copy() for a in images]
