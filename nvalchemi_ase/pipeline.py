@@ -34,9 +34,32 @@ How nvalchemi 0.3's pipeline is used (each point found by running it):
 
 The results are exchanged once, at the end, on a gloo group of the pipeline's
 own (pickled one-structure batches). The stages run with nvalchemi's own
-hooks plus the neighbour list; the ASE layer's per-step machinery (failure
-isolation, observers, trajectories, logs, checkpoints) is not available here,
-so constraints are refused and no trajectory or log is written.
+hooks plus the neighbour list and this module's; the ASE layer's per-step
+machinery (failure isolation, observers, checkpoints) is not available here,
+so constraints are refused.
+
+Trajectories and logs (``trajectory=``, ``logfile=``, ``loginterval=``, as for
+``optimizer + md``): each structure's file ends up with the frames the fused
+run writes for it: frame 0, its relaxation steps and then its MD steps whose
+fused step (relaxation steps, plus MD steps once in MD) is a multiple of
+``loginterval``, and, when every structure finished, copies of its final state
+up to the fused run's last step (the fused run goes on writing finished
+structures until the last one finishes). Hooks at ``BEFORE_STEP`` count each
+structure's steps on its rank (arrivals waiting to be re-evaluated are not
+counted) and write frame 0; hooks at ``AFTER_STEP`` copy the rows due to the
+host in one transfer and write them, as they are computed, into hidden files
+beside the target (``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank
+1). At the end (after the results exchange, which is the barrier) rank 0
+joins each structure's relaxation and MD frames, pads it, moves it into place
+(``os.replace``) and removes the hidden files; both ranks return once the files
+are whole. While trajectories are written the model is asked for stress on
+every step (the fused run asks on frame steps only), so frames of periodic
+structures carry it. The logs are per rank, not merged: rank 0 writes its
+relaxation lines to ``logfile``, rank 1 its MD lines to ``STEM.rank1SUFFIX``
+(``md.log`` -> ``md.rank1.log``), one line per ``loginterval`` pipeline
+iterations (none for iteration 0; ``nan`` energies while a rank holds no
+structure). A run stopped by ``steps`` before every structure finished, or
+run with ``md_steps=None``, still joins what was written, unpadded.
 
 Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet,
 ``tests/test_pipeline.py``): every structure is handed to MD after the same
@@ -45,7 +68,11 @@ both ranks. Rank 0 relaxes its batch in the sampler's order (size bins, round
 robin), not the input order; nvalchemi's FIRE2 step is not bit-independent of
 a structure's place in the batch, and FIRE's discrete decisions can amplify
 that round-off (~2e-4 Å after 26 steps in the test), exactly as the fused run
-of the batch in that order does.
+of the batch in that order does. The trajectories agree frame by frame in the
+same way (positions, momenta, energies, forces and, with ``loginterval=1``,
+stress); with ``loginterval > 1`` the fused run's copies of a finished
+structure keep the stress of its last frame step, stale when its last MD step
+was not one, while the pipeline's carry the final state's.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits above ``md`` and
 ``optimize``; ``BatchedOptimizer.pipe`` (and ``|``) imports it when called.
@@ -56,6 +83,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -66,10 +94,14 @@ from nvalchemi_ase._compat import pipeline_all_done, pipeline_start
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.compose import FINISHED, RELAXING, RUNNING_MD, check_parts
 from nvalchemi_ase.convert import atoms_to_batch, update_atoms
+from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
+from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.md.md import BatchedMolecularDynamics
 from nvalchemi_ase.optimize.optimize import BatchedOptimizer
 from nvalchemi_ase.runners.distributed import GROUP_TIMEOUT
+from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
+from nvalchemi_ase.units import kinetic_temperature_K
 
 __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
 
@@ -77,10 +109,11 @@ __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
 RELAX_RANK, MD_RANK = 0, 1
 
 # Per-structure fields the pipeline adds to each structure's data.
-_INDEX, _RELAX_STEPS, _IN_MD = (
+_INDEX, _RELAX_STEPS, _IN_MD, _MD_STEPS = (
     "pipeline_index",
     "pipeline_relax_steps",
     "pipeline_in_md",
+    "pipeline_md_steps",
 )
 
 
@@ -99,6 +132,28 @@ class RelaxThenMDPipeline:
     md_steps : int, optional
         MD steps each structure runs on rank 1; None runs MD until
         ``run(steps)`` ends.
+    trajectory : str, path or sequence of them, optional
+        One ASE trajectory per structure, as for ``optimizer + md``: a template
+        with ``{i}`` (index in ``images``) or one path per structure (open
+        ``Trajectory`` objects are refused: each rank is its own process).
+        After :meth:`run` each file holds the frames the fused run writes:
+        frame 0, every ``loginterval``-th relaxation step, every MD step whose
+        fused step (relaxation steps + MD steps) is a multiple of
+        ``loginterval``, and, once every structure finished, copies of the
+        final state up to the fused run's last step. Frames are written as
+        they are computed into hidden per-rank files beside the target
+        (``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank 1), which rank
+        0 joins into the target at the end (``os.replace``) and removes.
+    logfile : str, path or file, optional
+        Rank 0 writes its relaxation lines here (``Step relax sent Epot/N[eV]
+        fmax[eV/A]``: structures relaxing on rank 0, handed over so far, their
+        mean energy per atom and largest fmax); rank 1 writes its MD lines
+        (``Time[ps] md done Epot/N[eV] T_md[K]``) to ``STEM.rank1SUFFIX`` beside
+        a path (``md.log`` -> ``md.rank1.log``), or to its own ``"-"`` / open
+        file. The logs are not merged.
+    loginterval : int
+        Frame and log interval, in steps (relaxation or MD steps for frames,
+        pipeline iterations for log lines).
 
     Attributes
     ----------
@@ -119,6 +174,9 @@ class RelaxThenMDPipeline:
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
+        trajectory: TrajectoryLike = None,
+        logfile: LogfileLike = None,
+        loginterval: int = 1,
     ) -> None:
         check_parts(optimizer, md, operator="|")
         _check_no_constraints(md.images)
@@ -133,6 +191,29 @@ class RelaxThenMDPipeline:
         self.stage: npt.NDArray[np.int64] = np.full(count, RELAXING, dtype=np.int64)
         self.relax_steps: npt.NDArray[np.int64] = np.zeros(count, dtype=np.int64)
         self.nsteps = 0
+        if int(loginterval) < 1:
+            raise ValueError(f"loginterval must be >= 1, got {loginterval}")
+        self.loginterval = int(loginterval)
+        self.logfile = logfile
+        if trajectory is not None:
+            # checked (and existing files removed, as ASE does) on every rank
+            self.trajectories = TrajectorySet(
+                trajectory, count, append=False, description=self._description
+            )
+            if any(path is None for path in self.trajectories.paths):
+                raise ValueError(
+                    "optimizer | md writes trajectories by path (a template with "
+                    "{i} or one path per structure), not into open Trajectory "
+                    "objects: each rank is its own process"
+                )
+            self._trajectory_paths: list[Path] = [
+                path for path in self.trajectories.paths if path is not None
+            ]
+        else:
+            self._trajectory_paths = []
+
+    def _description(self) -> dict[str, Any]:
+        return self.todict() | {"interval": self.loginterval}
 
     def todict(self) -> dict[str, Any]:
         """Both parts' descriptions and the hand-over parameters."""
@@ -171,18 +252,34 @@ class RelaxThenMDPipeline:
         import torch.distributed as dist
 
         with _process_group(self.md.setup.device) as group:
+            rank = dist.get_rank()
             pipeline = self._build_pipeline()
-            pipeline_start(pipeline)
-            done = False
-            for _ in range(steps):
-                pipeline.step()
-                self.nsteps += 1
-                if pipeline_all_done(pipeline):
-                    done = True
-                    break
+            log = self._open_log(rank)
+            outputs = self._frame_outputs()
+            try:
+                pipeline_start(pipeline)
+                done = False
+                for _ in range(steps):
+                    pipeline.step()
+                    self.nsteps += 1
+                    if log is not None and self.nsteps % self.loginterval == 0:
+                        self._write_log(log, pipeline, rank)
+                    if pipeline_all_done(pipeline):
+                        done = True
+                        break
+            finally:
+                outputs.close()
+                for files in self._frame_files:
+                    files.close()
             gathered: list[Any] = [None] * dist.get_world_size()
+            # also the barrier after which rank 1's frame files are complete
             dist.all_gather_object(gathered, self._local_frames(pipeline), group=group)
-        self._write_back([frame for frames in gathered for frame in frames])
+            frames = [frame for frames in gathered for frame in frames]
+            self._write_back(frames)
+            if self._trajectory_paths:
+                if rank == RELAX_RANK:
+                    self._join_trajectories(frames, done)
+                dist.barrier(group=group)  # the files are whole on every rank
         return done
 
     # -- the stages ----------------------------------------------------------
@@ -194,6 +291,10 @@ class RelaxThenMDPipeline:
         count, atoms = len(data), sum(item.num_nodes for item in data)
         buffers = base.BufferConfig(num_systems=count, num_nodes=atoms, num_edges=0)
         device_type = self.md.setup.device.type
+        self._frame_files = [
+            _FrameFiles(self._temporary_paths(part), self.images, momenta=part == "md")
+            for part in ("relax", "md")
+        ]
         relax = self._relax_stage(data, buffers, device_type)
         self._finished: list[Any] = []
         integrate = self._md_stage(buffers, device_type, count)
@@ -215,7 +316,12 @@ class RelaxThenMDPipeline:
             item = batch.get_data(0)
             self._entry_velocities.append(batch.velocities.clone())
             item.velocities.zero_()  # the optimizer starts at rest
-            for key, value in ((_INDEX, index), (_RELAX_STEPS, 0), (_IN_MD, 0)):
+            for key, value in (
+                (_INDEX, index),
+                (_RELAX_STEPS, 0),
+                (_IN_MD, 0),
+                (_MD_STEPS, 0),
+            ):
                 item.add_system_property(key, torch.tensor([[value]]))
             items.append(item)
         return items
@@ -223,10 +329,14 @@ class RelaxThenMDPipeline:
     def _relax_stage(self, data: list[Any], buffers: Any, device_type: str) -> Any:
         dynamics = import_quietly("nvalchemi.dynamics")
         model = self.optimizer.model
-        hooks = [
-            *neighbor_hooks(model, self.optimizer.neighbor_skin),
-            _CountRelaxSteps(),
-        ]
+        stages = dynamics.DynamicsStage
+        frames = self._frame_files[0] if self._trajectory_paths else None
+        count_steps = _CountSteps(_RELAX_STEPS, stages.BEFORE_STEP, first_frame=frames)
+        hooks = [*neighbor_hooks(model, self.optimizer.neighbor_skin), count_steps]
+        if frames is not None:
+            hooks.append(
+                _WriteFrames(count_steps, frames, self.loginterval, stages.AFTER_STEP)
+            )
         relax = self.optimizer.build_engine(hooks)
         relax.convergence_hook = dynamics.ConvergenceHook.from_fmax(threshold=self.fmax)
         relax.sampler = dynamics.SizeAwareSampler(
@@ -248,19 +358,145 @@ class RelaxThenMDPipeline:
         # through the receive buffer with forces zeroed, and MD's first
         # half-kick would use zero forces.
         integrate.reprime_on_entry = True
+        count_steps = _CountSteps(_MD_STEPS, stages.BEFORE_STEP)
+        hooks = [
+            *neighbor_hooks(self.md.model, self.md.neighbor_skin),
+            _EnterMD(self._entry_velocities, stages.BEFORE_STEP),
+            count_steps,
+        ]
+        if self._trajectory_paths:
+            hooks.append(
+                _WriteFrames(
+                    count_steps,
+                    self._frame_files[1],
+                    self.loginterval,
+                    stages.AFTER_STEP,
+                    offset=_RELAX_STEPS,
+                )
+            )
+        hooks += [
+            _KeepFinished(self._finished, stages.ON_GRADUATE),
+            _DropNeighborFields(stages.AFTER_STEP),
+        ]
         fused = dynamics.FusedStage(
             sub_stages=[(RUNNING_MD, integrate)],
             entry_status=RUNNING_MD,
             exit_status=FINISHED,
-            hooks=[
-                *neighbor_hooks(self.md.model, self.md.neighbor_skin),
-                _EnterMD(self._entry_velocities, stages.BEFORE_STEP),
-                _KeepFinished(self._finished, stages.ON_GRADUATE),
-                _DropNeighborFields(stages.AFTER_STEP),
-            ],
+            hooks=hooks,
         )
         _configure(fused, buffers, device_type, count)
         return fused
+
+    # -- trajectories and logs -------------------------------------------------
+
+    def _temporary_paths(self, which: str) -> list[Path]:
+        """Return the hidden per-structure frame files of ``which`` (relax, md)."""
+        return [
+            path.with_name(f".{path.name}.{which}.tmp")
+            for path in self._trajectory_paths
+        ]
+
+    def _join_trajectories(
+        self, frames: list[tuple[int, int, int, Any]], done: bool
+    ) -> None:
+        """Rank 0: each structure's relaxation then MD frames into its file.
+
+        When every structure finished (``md_steps`` set), each file is padded
+        with copies of its final state up to the fused run's last step, as
+        ``optimizer + md`` goes on writing finished structures until the last
+        one finishes.
+        """
+        from ase.io.trajectory import Trajectory
+
+        final = {index: batch for index, _, _, batch in frames}
+        ends = self.relax_steps + (self.md_steps or 0)
+        last = int(ends.max()) if done and self.md_steps is not None else None
+        relax, md = self._temporary_paths("relax"), self._temporary_paths("md")
+        for index, target in enumerate(self._trajectory_paths):
+            joined = target.with_name(f".{target.name}.tmp")
+            with Trajectory(joined, "w") as writer:
+                writer.set_description(self._description())
+                for part in (relax[index], md[index]):
+                    if part.exists() and part.stat().st_size > 0:
+                        with Trajectory(part, "r") as reader:
+                            for atoms in reader:
+                                writer.write(atoms)
+                if last is not None and index in final:
+                    interval = self.loginterval
+                    pad = last // interval - int(ends[index]) // interval
+                    if pad > 0:
+                        atoms = self.images[index].copy()
+                        batch = final[index]
+                        update_atoms([atoms], batch, stress="stress" in batch)
+                        for _ in range(pad):
+                            writer.write(atoms)
+            os.replace(joined, target)
+            relax[index].unlink(missing_ok=True)
+            md[index].unlink(missing_ok=True)
+
+    def _frame_outputs(self) -> contextlib.ExitStack:
+        """Ask the model for stress too while trajectories are written.
+
+        ``optimizer + md`` asks for it on the steps it writes frames; here the
+        model is called inside nvalchemi's stages, so it is asked for on every
+        step (frames of periodic structures then carry stress, as the fused
+        run's do). Returns the context to close after the run.
+        """
+        stack = contextlib.ExitStack()
+        config = self.md.model.model_config
+        if self._trajectory_paths and "stress" in config.outputs:
+            wanted = set(config.active_outputs) | {"stress"}
+            stack.enter_context(self.md.model.narrowed_outputs(wanted))
+        return stack
+
+    def _open_log(self, rank: int) -> Any:
+        """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path)."""
+        target = self.logfile
+        if not target:
+            return None
+        if rank == MD_RANK and isinstance(target, str | os.PathLike) and target != "-":
+            path = Path(target)
+            target = str(path.with_name(f"{path.stem}.rank1{path.suffix}"))
+        log = open_log(target)
+        if rank == RELAX_RANK:
+            header = ("Step", "relax", "sent", "Epot/N[eV]", "fmax[eV/A]")
+        else:
+            header = ("Time[ps]", "md", "done", "Epot/N[eV]", "T_md[K]")
+        log.write("%-9s %6s %6s %12s %10s\n" % header)
+        return log
+
+    def _write_log(self, log: Any, pipeline: Any, rank: int) -> None:
+        """One line: this rank's structures after pipeline iteration ``nsteps``."""
+        from ase import units
+
+        batch = pipeline.stages[rank].active_batch
+        rows = 0 if batch is None else int(batch.num_graphs)
+        epot = last = float("nan")
+        if rows:
+            with torch.no_grad():
+                natoms = batch.num_nodes_per_graph.to(torch.float64)
+                per_atom = batch.energy.detach().reshape(-1).to(torch.float64) / natoms
+                epot = float(per_atom.mean())
+                if rank == RELAX_RANK:
+                    last = float(batch.forces.detach().norm(dim=1).max())
+                else:
+                    velocities = batch.velocities.detach().to(torch.float64)
+                    kinetic = 0.5 * batch.atomic_masses.detach().to(torch.float64)
+                    kinetic = kinetic * (velocities * velocities).sum(dim=1)
+                    ekin = torch.zeros(rows, dtype=torch.float64)
+                    ekin.index_add_(0, batch.batch_idx.long().cpu(), kinetic.cpu())
+                    last = float(
+                        kinetic_temperature_K(
+                            ekin.numpy(), 3 * natoms.cpu().numpy()
+                        ).mean()
+                    )
+        if rank == RELAX_RANK:
+            first = "%-9d" % self.nsteps
+            counts = (rows, len(self.images) - rows)
+        else:
+            first = "%-9.4f" % (self.nsteps * self.md.dt / (1000 * units.fs))
+            counts = (rows, sum(int(done.num_graphs) for done in self._finished))
+        log.write("%s %6d %6d %12.6f %10.4f\n" % (first, *counts, epot, last))
 
     # -- the results ---------------------------------------------------------
 
@@ -317,25 +553,120 @@ class _Structures:
         return self._items[index].num_nodes, 0
 
 
-class _CountRelaxSteps:
-    """nvalchemi hook (relax stage, ``BEFORE_STEP``): count each structure's steps.
+class _CountSteps:
+    """nvalchemi hook (``BEFORE_STEP``): count each structure's steps in ``key``.
 
-    Structures still waiting for their first forces (refilled ones) are not
-    counted; every other structure in the relax stage's batch is updated.
+    Structures still waiting for their first forces (refilled ones, arrivals
+    re-evaluated on entry) are not counted this step; :attr:`updated` says
+    which rows were, for the ``AFTER_STEP`` frame writer. With ``first_frame``
+    the rows about to take their first step have frame 0 written first.
     """
 
     frequency = 1
 
-    def __init__(self) -> None:
-        self.stage = import_quietly("nvalchemi.dynamics").DynamicsStage.BEFORE_STEP
+    def __init__(
+        self, key: str, stage: Any, first_frame: _FrameFiles | None = None
+    ) -> None:
+        self.stage = stage
+        self.key = key
+        self._first_frame = first_frame
+        self.updated: torch.Tensor | None = None
 
     def __call__(self, ctx: Any, stage: Any) -> None:
         batch = ctx.batch
-        steps = batch[_RELAX_STEPS]
+        steps = batch[self.key]
         pending = getattr(batch, "reprime_pending", None)
-        updated = torch.ones_like(steps) if pending is None else (~pending).to(steps)
+        count = steps.shape[0]
+        updated = (
+            torch.ones(count, dtype=torch.bool, device=steps.device)
+            if pending is None
+            else ~pending.reshape(-1)[:count].bool()
+        )
+        if self._first_frame is not None:
+            first = torch.where(updated & (steps.reshape(-1) == 0))[0]
+            self._first_frame.write(batch, first)
         with torch.no_grad():
-            steps.add_(updated.reshape(steps.shape))
+            steps.add_(updated.to(steps).reshape(steps.shape))
+        self.updated = updated
+
+
+class _WriteFrames:
+    """nvalchemi hook (``AFTER_STEP``): write the frames due at this step.
+
+    A row that took a step is due when its fused step (its own step count,
+    plus its relaxation steps for MD) is a multiple of ``interval``; the due
+    rows are copied to the host in one transfer.
+    """
+
+    frequency = 1
+
+    def __init__(
+        self,
+        counter: _CountSteps,
+        frames: _FrameFiles,
+        interval: int,
+        stage: Any,
+        offset: str | None = None,
+    ) -> None:
+        self.stage = stage
+        self._counter, self._frames = counter, frames
+        self._interval, self._offset = interval, offset
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        updated = self._counter.updated
+        if updated is None:
+            return
+        batch = ctx.batch
+        fused_step = batch[self._counter.key].reshape(-1)
+        if self._offset is not None:
+            fused_step = fused_step + batch[self._offset].reshape(-1)
+        due = updated & (fused_step % self._interval == 0)
+        self._frames.write(batch, torch.where(due)[0])
+
+
+class _FrameFiles:
+    """One rank's per-structure frame files, opened on the first frame.
+
+    Each frame is the structure's row of the batch written into a copy of its
+    ``Atoms`` (positions, energy and forces; momenta on the MD rank, the
+    ``Atoms``' own on the relaxation rank, as ``optimizer + md`` writes them).
+    """
+
+    def __init__(self, paths: list[Path], images: list[Any], *, momenta: bool) -> None:
+        self._paths = paths
+        self._images = images
+        self._copies: dict[int, Any] = {}
+        self._writers: dict[int, Any] = {}
+        self._momenta = momenta
+
+    def write(self, batch: Any, rows: torch.Tensor) -> None:
+        if not self._paths or rows.numel() == 0:
+            return
+        from ase.io.trajectory import Trajectory
+
+        selected = batch.index_select(rows).to("cpu")
+        indices = [int(i) for i in selected[_INDEX].reshape(-1).tolist()]
+        copies = [self._copy(index) for index in indices]
+        update_atoms(
+            copies, selected, momenta=self._momenta, stress="stress" in selected
+        )
+        for index, atoms in zip(indices, copies, strict=True):
+            writer = self._writers.get(index)
+            if writer is None:
+                writer = Trajectory(self._paths[index], "w")
+                self._writers[index] = writer
+            writer.write(atoms)
+
+    def _copy(self, index: int) -> Any:
+        copy = self._copies.get(index)
+        if copy is None:
+            copy = self._copies[index] = self._images[index].copy()
+        return copy
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
 
 
 class _EnterMD:

@@ -1,12 +1,13 @@
 """One rank of the stage-pipeline test (``torchrun -m tests.pipeline_worker``).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=2 -m
-tests.pipeline_worker OPTIMIZER ORDER FOLDER`` takes the structures of
+tests.pipeline_worker OPTIMIZER ORDER FOLDER [LOGINTERVAL]`` takes the structures of
 :func:`images` in ``ORDER`` (input indices, e.g. ``1,0,2``) with the LJ model
 (float64, CPU), runs ``OPTIMIZER(images) | VelocityVerlet(images, ...)``
 (``optimizer.pipe(md, **PIPE)``) and writes what this rank's ``Atoms`` hold
 afterwards to ``FOLDER/rank{R}.npz``; the test compares it with the
-single-process ``optimizer + md``.
+single-process ``optimizer + md``. With ``LOGINTERVAL`` the pipeline also
+writes ``FOLDER/pipe_{i}.traj`` and ``FOLDER/pipe.log`` (``pipe.rank1.log``).
 """
 
 from __future__ import annotations
@@ -57,10 +58,17 @@ def main() -> None:
     optimizer = getattr(optimize, sys.argv[1])
     order = [int(index) for index in sys.argv[2].split(",")]
     folder = Path(sys.argv[3])
+    files = {}
+    if len(sys.argv) > 4:
+        files = {
+            "trajectory": str(folder / "pipe_{i}.traj"),
+            "logfile": str(folder / "pipe.log"),
+            "loginterval": int(sys.argv[4]),
+        }
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     structures = images(calc, order)
     pipeline = optimizer(structures, logfile=None).pipe(
-        md.VelocityVerlet(structures, TIMESTEP), **PIPE
+        md.VelocityVerlet(structures, TIMESTEP), **PIPE, **files
     )
     done = pipeline.run(1000)
     rank = os.environ.get("RANK", "0")

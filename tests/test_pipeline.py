@@ -8,9 +8,12 @@ starts them (:func:`tests.helpers.torchrun`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from ase.constraints import FixAtoms
+from ase.io import read
 
 from nvalchemi_ase import NVAlchemiCalculator, md, optimize
 from nvalchemi_ase.compose import FINISHED
@@ -24,17 +27,18 @@ ENERGY_ATOL = 1e-10  # eV
 POSITION_ATOL = 1e-8  # Å
 MOMENTUM_ATOL = 1e-8  # amu Å / ASE time unit
 FORCE_ATOL = 1e-8  # eV/Å
+STRESS_ATOL = 1e-10  # eV/Å³
 # Rank 0's sampler batches these as [s1, s2, s0], the fused run as given:
 # the same order up to s0, which relaxes in one step; s1 and s2 overlap in MD.
 ORDER = [1, 0, 2]
 
 
-def _fused(optimizer: str, order: list[int]) -> dict[str, np.ndarray]:
+def _fused(optimizer: str, order: list[int], **files: Any) -> dict[str, np.ndarray]:
     """The single-process ``optimizer + md``, with each structure's hand-over step."""
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     structures = images(calc, order)
     fused = getattr(optimize, optimizer)(structures, logfile=None).then(
-        md.VelocityVerlet(structures, TIMESTEP), **PIPE
+        md.VelocityVerlet(structures, TIMESTEP), **PIPE, **files
     )
     history = []
     fused.attach(lambda: history.append(fused.stage.copy()))
@@ -44,10 +48,17 @@ def _fused(optimizer: str, order: list[int]) -> dict[str, np.ndarray]:
     return state(structures, fused.stage, handed_over)
 
 
-def _pipelined(optimizer: str, order: list[int], folder) -> list[dict]:
-    """What each rank's ``Atoms`` hold after ``optimizer | md`` on two ranks."""
+def _pipelined(
+    optimizer: str, order: list[int], folder, loginterval: int | None = None
+) -> list[dict]:
+    """What each rank's ``Atoms`` hold after ``optimizer | md`` on two ranks.
+
+    With ``loginterval`` the pipeline also writes ``pipe_{i}.traj`` and
+    ``pipe.log`` (and ``pipe.rank1.log``) into ``folder``.
+    """
     indices = ",".join(str(index) for index in order)
-    torchrun("-m", "tests.pipeline_worker", optimizer, indices, str(folder))
+    files = [] if loginterval is None else [str(loginterval)]
+    torchrun("-m", "tests.pipeline_worker", optimizer, indices, str(folder), *files)
     return [dict(np.load(folder / f"rank{rank}.npz")) for rank in (0, 1)]
 
 
@@ -61,17 +72,62 @@ def _assert_same(got: dict, expected: dict) -> None:
         np.testing.assert_allclose(got[key], expected[key], atol=atol, err_msg=key)
 
 
-@pytest.mark.slow  # two ranks started by torchrun (~25 s)
-@pytest.mark.parametrize("optimizer", ["FIRE2", "FIRE"])
-def test_two_ranks_give_every_rank_what_the_fused_run_gives(optimizer, tmp_path):
-    """Relaxed on rank 0, sent to rank 1 at the fused run's step, MD, results back."""
-    expected = _fused(optimizer, ORDER)
+@pytest.mark.slow  # two ranks started by torchrun (~25 s each)
+@pytest.mark.parametrize(("optimizer", "loginterval"), [("FIRE2", 1), ("FIRE", 3)])
+def test_two_ranks_give_every_rank_and_file_what_the_fused_run_gives(
+    optimizer, loginterval, tmp_path
+):
+    """Relaxed on rank 0, sent to rank 1 at the fused run's step, MD, results back;
+    each structure's trajectory holds the fused run's frames, and each rank logs."""
+    files = {"trajectory": str(tmp_path / "fused_{i}.traj"), "loginterval": loginterval}
+    expected = _fused(optimizer, ORDER, **files)
     assert len(set(expected["relax_steps"].tolist())) == 3  # three hand-over steps
-    for got in _pipelined(optimizer, ORDER, tmp_path):  # rank 0, rank 1
+    ranks = _pipelined(optimizer, ORDER, tmp_path, loginterval)
+    for got in ranks:  # rank 0, rank 1
         assert bool(got["done"])
         assert got["stage"].tolist() == [FINISHED] * 3
         assert got["relax_steps"].tolist() == expected["relax_steps"].tolist()
         _assert_same(got, expected)
+    for index in range(len(ORDER)):
+        _assert_same_frames(
+            read(tmp_path / f"pipe_{index}.traj", ":"),
+            read(tmp_path / f"fused_{index}.traj", ":"),
+            # the fused run's copies of a finished structure keep the stress of
+            # its last frame step (stale when loginterval > 1)
+            stress=loginterval == 1,
+        )
+    assert sorted(path.name for path in tmp_path.glob(".*")) == []  # no temporaries
+    iterations = int(ranks[0]["nsteps"])
+    for name, header in (("pipe.log", "Step"), ("pipe.rank1.log", "Time[ps]")):
+        lines = (tmp_path / name).read_text().splitlines()
+        assert lines[0].split()[0] == header
+        assert len(lines) == 1 + iterations // loginterval
+
+
+def _assert_same_frames(got: list, expected: list, *, stress: bool) -> None:
+    """Frame by frame: positions, momenta, energy, forces (and stress)."""
+    assert len(got) == len(expected)
+    for number, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        where = f"frame {number}"
+        assert mine.get_potential_energy() == pytest.approx(
+            theirs.get_potential_energy(), abs=ENERGY_ATOL
+        ), where
+        for key, atol in (
+            ("positions", POSITION_ATOL),
+            ("momenta", MOMENTUM_ATOL),
+            ("forces", FORCE_ATOL),
+        ):
+            np.testing.assert_allclose(
+                getattr(mine, f"get_{key}")(),
+                getattr(theirs, f"get_{key}")(),
+                atol=atol,
+                err_msg=f"{where}: {key}",
+            )
+        assert ("stress" in mine.calc.results) == ("stress" in theirs.calc.results)
+        if stress and "stress" in theirs.calc.results:
+            np.testing.assert_allclose(
+                mine.get_stress(), theirs.get_stress(), atol=STRESS_ATOL, err_msg=where
+            )
 
 
 def _per_structure(result: dict, sizes: list[int]) -> list[dict]:
@@ -152,3 +208,24 @@ def test_the_pipeline_checks_its_parts(lj_calc64):
         optimize.FIRE2(structures, logfile=None) | md.VelocityVerlet(
             structures, TIMESTEP
         )
+
+
+def test_the_pipeline_checks_its_files(lj_calc64, tmp_path):
+    from ase.io.trajectory import Trajectory
+
+    structures, relax, integrate = _parts(lj_calc64)
+    stale = tmp_path / "md_0.traj"
+    stale.write_text("an earlier run")
+    pipeline = relax.pipe(integrate, trajectory=str(tmp_path / "md_{i}.traj"))
+    assert not stale.exists()  # replaced, as ASE's dynamics do
+    assert pipeline.loginterval == 1
+    with pytest.raises(ValueError, match="loginterval must be >= 1"):
+        relax.pipe(integrate, loginterval=0)
+    with pytest.raises(ValueError, match=r"\{i\}"):
+        relax.pipe(integrate, trajectory=str(tmp_path / "md.traj"))
+    with Trajectory(tmp_path / "open.traj", "w") as opened:
+        one = structures[:1]
+        with pytest.raises(ValueError, match="not into open Trajectory objects"):
+            optimize.FIRE2(one, logfile=None).pipe(
+                md.VelocityVerlet(one, TIMESTEP), trajectory=[opened]
+            )

@@ -274,7 +274,16 @@ class BatchedOptimizer(BatchedDynamics):
         """``optimizer + md``: :meth:`then` with its defaults."""
         return self.then(md)
 
-    def pipe(self, md: Any, *, fmax: float = 0.05, md_steps: int | None = None) -> Any:
+    def pipe(
+        self,
+        md: Any,
+        *,
+        fmax: float = 0.05,
+        md_steps: int | None = None,
+        trajectory: Any = None,
+        logfile: Any = None,
+        loginterval: int = 1,
+    ) -> Any:
         """Relax on rank 0 and run MD on rank 1 (two ranks started by torchrun).
 
         Parameters
@@ -285,6 +294,10 @@ class BatchedOptimizer(BatchedDynamics):
             Hand-over threshold on the largest force, eV/Å.
         md_steps : int, optional
             MD steps per structure after it relaxed (None: until ``run`` ends).
+        trajectory, logfile, loginterval
+            As for ``optimizer + md``: one trajectory per structure with its
+            relaxation then MD frames; see
+            :class:`~nvalchemi_ase.pipeline.RelaxThenMDPipeline` for the logs.
 
         Returns
         -------
@@ -294,7 +307,15 @@ class BatchedOptimizer(BatchedDynamics):
         """
         from nvalchemi_ase.pipeline import RelaxThenMDPipeline
 
-        return RelaxThenMDPipeline(self, md, fmax=fmax, md_steps=md_steps)
+        return RelaxThenMDPipeline(
+            self,
+            md,
+            fmax=fmax,
+            md_steps=md_steps,
+            trajectory=trajectory,
+            logfile=logfile,
+            loginterval=loginterval,
+        )
 
     def __or__(self, md: Any) -> Any:
         """``optimizer | md``: :meth:`pipe` with its defaults."""
