@@ -49,7 +49,8 @@ structure's steps on its rank (arrivals waiting to be re-evaluated are not
 counted) and write frame 0; hooks at ``AFTER_STEP`` copy the rows due to the
 host in one transfer and write them, as they are computed, into hidden files
 beside the target (``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank
-1). At the end (after the results exchange, which is the barrier) rank 0
+1; each rank removes its own when the run starts, e.g. those a failed run left
+behind). At the end (after the results exchange, which is the barrier) rank 0
 joins each structure's relaxation and MD frames, pads it, moves it into place
 (``os.replace``) and removes the hidden files; both ranks return once the files
 are whole. While trajectories are written the model is asked for stress on
@@ -254,6 +255,7 @@ class RelaxThenMDPipeline:
         with _process_group(self.md.setup.device) as group:
             rank = dist.get_rank()
             pipeline = self._build_pipeline()
+            self._frame_files[rank].remove()  # a failed run's leftovers
             log = self._open_log(rank)
             outputs = self._frame_outputs()
             try:
@@ -656,6 +658,11 @@ class _FrameFiles:
                 writer = Trajectory(self._paths[index], "w")
                 self._writers[index] = writer
             writer.write(atoms)
+
+    def remove(self) -> None:
+        """Delete the files (before the first frame: an earlier run's)."""
+        for path in self._paths:
+            path.unlink(missing_ok=True)
 
     def _copy(self, index: int) -> Any:
         copy = self._copies.get(index)
