@@ -263,6 +263,11 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         the velocity scaling ``exp(-η̇_1 dt/2)``, which the engine applies
         after the chain update in both half steps (ASE scales between the
         kicks and mirrors the sequence), so the splitting is first order.
+        With ``tchain = pchain = 1`` the quantity is not conserved at all
+        (measured: -0.1 eV in the first 150 steps at 2 fs, then flat): that
+        kernel applies its "last link" update to the single link as well,
+        with the previous link read at index -1, outside the structure's row.
+        Use chains of 2 or more links for NPT.
 
         Returns
         -------
