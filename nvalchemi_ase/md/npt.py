@@ -33,7 +33,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
+import torch
+from ase import Atoms
 
+from nvalchemi_ase._compat import engine_state
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.images import integer_argument
 from nvalchemi_ase.md.md import VariableCellMolecularDynamics
@@ -50,6 +54,24 @@ _DEPRECATED_ARGUMENTS = ("'cells_inv' is deprecated", "'volumes' is deprecated")
 
 #: The engine's NHC chain-velocity tensors, ``[B, chain_length]``.
 _CHAIN_VELOCITIES = ("nhc_eta_dot", "nhc_b_eta_dot")
+
+#: Degrees of freedom nvalchemi 0.3's ``NPT`` thermostats with the barostat
+#: chain: ``3 * (cell_dofs // 3)`` (``NPT.pre_update``), i.e. 3 for
+#: ``"isotropic"`` (where ASE's ``IsotropicMTKBarostat`` counts 1) and 9 for
+#: ``"triclinic"`` (as ASE's ``MTKBarostat``).
+_BAROSTAT_CHAIN_DOF = {"isotropic": 3, "anisotropic": 3, "triclinic": 9}
+
+
+def _chain_energy(
+    eta: torch.Tensor,
+    eta_dot: torch.Tensor,
+    masses: torch.Tensor,
+    dof: torch.Tensor,
+    kT: torch.Tensor,
+) -> torch.Tensor:
+    """``Σ_j ½ Q_j η̇_j² + N_f kT η_1 + kT Σ_{j≥2} η_j`` per structure, eV, [B]."""
+    kinetic = (0.5 * masses * eta_dot**2).sum(dim=1)
+    return kinetic + dof * kT * eta[:, 0] + kT * eta[:, 1:].sum(dim=1)
 
 
 @contextlib.contextmanager
@@ -145,7 +167,9 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         Thermostat and barostat time constants, ASE time units (ASE suggests
         100 and 1000 time steps).
     tchain, pchain : int
-        Chain lengths; nvalchemi uses one length for both, so they must match.
+        Lengths of the particle and barostat Nosé-Hoover chains. They must be
+        equal: nvalchemi 0.3's ``NPT`` takes one ``chain_length`` for both
+        (``ValueError`` otherwise).
     tloop, ploop : int
         Must be 1 (no sub-loops in nvalchemi's engine).
     **kwargs
@@ -175,8 +199,11 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
                 raise ValueError(f"{name} must be >= 1, got {links}")
         if tchain != pchain:
             raise ValueError(
-                f"tchain={tchain} and pchain={pchain} differ; nvalchemi's NPT uses one "
-                "chain length for thermostat and barostat"
+                f"tchain={tchain} and pchain={pchain} differ, but nvalchemi 0.3's NPT "
+                "engine takes one chain_length for both Nosé-Hoover chains (it sizes "
+                "the particle chain nhc_eta and the barostat chain nhc_b_eta with it "
+                "and passes it to both chain updates); give tchain == pchain, or use "
+                f"ase.md.nose_hoover_chain.{type(self).__name__} for different lengths"
             )
         if (tloop, ploop) != (1, 1):
             raise ValueError(
@@ -198,6 +225,101 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
             "pdamp": self.pdamp,
             "tchain": self.tchain,
         }
+
+    def get_conserved_energy(self) -> float | npt.NDArray[np.float64]:
+        """Return the MTK extended energy of each structure, eV (ASE's quantity).
+
+        ``E_pot + E_kin + P_ext V + K_cell`` plus the energies of the particle
+        chain (``Σ ½ Q_j η̇_j² + 3N kT η_1 + kT Σ_{j≥2} η_j``) and of the
+        barostat chain (``Σ ½ Q'_j ξ̇_j² + n kT ξ_1 + kT Σ_{j≥2} ξ_j``), read
+        from nvalchemi's engine state. ``K_cell = ½ W Σ ε̇²`` over the moving
+        components of the strain rate ``ε̇`` (the engine's ``cell_velocity``):
+        nvalchemi's ``W`` is ``(N+1) kT τ_P²`` per component, so for the
+        isotropic cell (three equal diagonal entries) ``K_cell`` is ASE's
+        ``p_ε²/2W`` with ASE's ``W = 3(N+1) kT τ_P²``; for the full cell it is
+        ASE's ``Σ p_g²/2W``. The particle chain's masses, positions and
+        velocities are ASE's (``Q_1 = 3N kT τ_T²``, ``η̇ = p_η/Q``; no factor 2
+        here, unlike nvalchemi's ``NVTNoseHoover``). The barostat chain is
+        nvalchemi's: ``n = 9`` and ``Q'_1 = 9 kT τ_P²`` for ``MTKNPT``, as
+        ASE; for ``IsotropicMTKNPT`` nvalchemi thermostats the volume's
+        momentum as 3 degrees of freedom (``n = 3``, ``Q'_1 = 3 kT τ_P²``)
+        where ASE's ``IsotropicMTKBarostat`` counts 1 (``n = 1``,
+        ``Q'_1 = 9 kT τ_P²``), so the quantity is the one nvalchemi's
+        equations conserve; it equals ASE's while the barostat chain is at
+        rest (at step 0, measured ``|Δ| < 1e-12`` eV).
+
+        nvalchemi 0.3's ``NPT`` is not an MTK-consistent (time-reversible,
+        second-order) integrator of these equations: the quantity drifts
+        linearly in ``dt`` where ASE's drifts as ``dt²``. Measured on 32
+        argon atoms (smooth LJ, 50 K, ``tdamp = 100 fs``, ``pdamp = 1000 fs``),
+        drift over 1 ps: ours 2.8e-3 eV at 2 fs and 1.39e-3 eV at 1 fs
+        (ratio 2.0, first order; both classes alike), ASE's 1.3e-5 and
+        3.3e-6 eV (``IsotropicMTKNPT``), 1.5e-5 and 3.9e-6 eV (``MTKNPT``;
+        ratio 4.0, second order). The drift comes from the
+        particle thermostat: with ``pdamp = 1e7 fs`` (cell at rest) it stays
+        (2e-3 eV/ps), with ``tdamp = 1e7 fs`` it falls to ASE's level
+        (2e-5 eV/ps). nvalchemiops' ``_npt_thermostat_chain_update_kernel``
+        computes both quarter kicks of ``η̇_1`` from the kinetic energy before
+        the velocity scaling ``exp(-η̇_1 dt/2)``, which the engine applies
+        after the chain update in both half steps (ASE scales between the
+        kicks and mirrors the sequence), so the splitting is first order.
+        With ``tchain = pchain = 1`` the quantity is not conserved at all
+        (measured: -0.1 eV in the first 150 steps at 2 fs, then flat): that
+        kernel applies its "last link" update to the single link as well,
+        with the previous link read at index -1, outside the structure's row.
+        Use chains of 2 or more links for NPT.
+
+        Returns
+        -------
+        float or numpy.ndarray, shape (B,)
+            A float when the dynamics was given one ``Atoms`` (as ASE), else
+            one value per structure.
+        """
+        self._prime()  # ASE's call evaluates the current structure too
+        thermo = self.per_structure_thermo()
+        energy = thermo["epot"] + thermo["ekin"] + self._extended_energy()
+        if isinstance(self.atoms, Atoms):
+            return float(energy[0])
+        return energy
+
+    def _extended_energy(self) -> npt.NDArray[np.float64]:
+        """``P_ext V + K_cell`` + both chains' energies per structure, eV, (B,)."""
+        state = engine_state(self.engine)
+        cell = self.batch.cell.detach().double()
+        count = cell.shape[0]
+        volume = torch.linalg.det(cell).abs()
+        if state is None:  # before the engine's state: chains and cell at rest
+            pressure = torch.as_tensor(
+                self._pressure(self.pressure_au), dtype=torch.float64
+            ).to(volume.device)
+            return (pressure.reshape(count, -1)[:, 0] * volume).cpu().numpy()
+        pressure = state.pressure.detach().double().reshape(count, -1)
+        if pressure.shape[1] == 9:  # a [B, 3, 3] target: its mean normal part
+            pressure = pressure[:, [0, 4, 8]]
+        external = pressure.mean(dim=1) * volume
+        kT = state.temperature.detach().double().reshape(-1)
+        rate = state.cell_velocity.detach().double()
+        if self._pressure_coupling == "triclinic":
+            moving = rate.reshape(count, -1)
+        else:
+            moving = torch.diagonal(rate, dim1=-2, dim2=-1)
+        cell_kinetic = 0.5 * state.W.detach().double() * (moving**2).sum(dim=1)
+        atoms = state.num_atoms_per_system.detach().double().reshape(-1)
+        particles = _chain_energy(
+            state.nhc_eta.detach().double(),
+            state.nhc_eta_dot.detach().double(),
+            state.nhc_Q.detach().double(),
+            3.0 * atoms,
+            kT,
+        )
+        barostat = _chain_energy(
+            state.nhc_b_eta.detach().double(),
+            state.nhc_b_eta_dot.detach().double(),
+            state.nhc_b_Q.detach().double(),
+            torch.full_like(kT, float(_BAROSTAT_CHAIN_DOF[self._pressure_coupling])),
+            kT,
+        )
+        return (external + cell_kinetic + particles + barostat).cpu().numpy()
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""

@@ -1,0 +1,188 @@
+"""``IsotropicMTKNPT``/``MTKNPT.get_conserved_energy`` against ASE's classes.
+
+The MTK extended energy is ``E_pot + E_kin + P_ext V`` plus the barostat's
+kinetic energy and both Nosé-Hoover chains' energies. Read from nvalchemi's
+engine state it must equal ASE's quantity for the same state (at step 0, and
+after the same chain and cell momenta are written on both sides); over a run
+the exact dynamics keeps it constant, so its drift measures the integrator:
+second order in the time step for ASE's, first order for nvalchemi 0.3's
+``NPT`` (measured numbers below and in ``IsotropicMTKNPT.get_conserved_energy``).
+
+System: 32 argon atoms, smooth LJ (``switch_width=1.5`` Å), 50 K, solid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from ase import units
+from ase.build import bulk
+from ase.md import nose_hoover_chain as ase_nhc
+
+from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.md import MTKNPT, IsotropicMTKNPT
+from tests.structures import A_AR, thermalize
+
+T_K = 50.0
+PARAMETERS = {
+    "temperature_K": T_K,
+    "pressure_au": 0.1 * units.GPa,  # P_ext V is part of the quantity
+    "tdamp": 100 * units.fs,
+    "pdamp": 1000 * units.fs,
+}
+PAIRS = [(IsotropicMTKNPT, ase_nhc.IsotropicMTKNPT), (MTKNPT, ase_nhc.MTKNPT)]
+# Ours and ASE's from the same state, eV (measured 0 and 4.4e-16 on ~-2.5 eV).
+SAME_STATE_EV = 1e-12
+# Drift of the conserved energy over 0.5 ps at 2 fs, eV per 32 atoms (measured:
+# ours 2.7e-3 / 2.2e-3, ASE's 1.3e-5 / 1.2e-5, isotropic / full cell).
+OUR_DRIFT_EV = 6e-3
+ASE_DRIFT_EV = 6e-5
+# Drift ratio when dt halves 2 fs -> 1 fs over 1 ps (measured: ours 2.0, first
+# order; ASE's 4.0, second order).
+OUR_ORDER_RATIO = (1.6, 2.6)
+ASE_MIN_RATIO = 3.0
+
+
+@pytest.fixture(scope="module")
+def smooth_lj():
+    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
+
+
+def _argon(seed: int = 0):
+    return thermalize(bulk("Ar", "fcc", a=A_AR, cubic=True) * (2, 2, 2), T_K, seed)
+
+
+def _pair(ours_cls, ase_cls, calc, dt_fs=2.0, **parameters):
+    ours, reference = _argon(), _argon()
+    ours.calc = calc
+    reference.calc = NVAlchemiCalculator(calc.model, device="cpu", dtype="float64")
+    parameters = PARAMETERS | parameters
+    return (
+        ours_cls(ours, dt_fs * units.fs, **parameters),
+        ase_cls(reference, dt_fs * units.fs, **parameters),
+    )
+
+
+def _drift(dyn, steps, samples=10):
+    values = [dyn.get_conserved_energy()]
+    for _ in range(samples):
+        dyn.run(steps // samples)
+        values.append(dyn.get_conserved_energy())
+    return float(np.ptp(values))
+
+
+def _write_state(ours, ase_dyn, rng, barostat_link_1=True):
+    """Give ASE's dynamics random chain/cell momenta and write them into ours."""
+    ours.engine._ensure_state_initialized(ours.batch)
+    state = ours.engine._state
+    thermostat, barostat = ase_dyn._thermostat, ase_dyn._barostat
+    kT = thermostat._kT
+    thermostat._eta[:] = 0.1 * rng.normal(size=3)
+    thermostat._p_eta[:] = rng.normal(size=3) * np.sqrt(thermostat._Q * kT)
+    barostat._xi[:] = 0.1 * rng.normal(size=3)
+    barostat._p_xi[:] = rng.normal(size=3) * np.sqrt(barostat._R * kT)
+    if not barostat_link_1:
+        barostat._xi[0] = barostat._p_xi[0] = 0.0
+
+    def row(values):
+        return torch.as_tensor(values, dtype=torch.float64)[None]
+
+    state.nhc_eta.copy_(row(thermostat._eta))
+    state.nhc_eta_dot.copy_(row(thermostat._p_eta / thermostat._Q))
+    state.nhc_b_eta.copy_(row(barostat._xi))
+    state.nhc_b_eta_dot.copy_(row(barostat._p_xi / barostat._R))
+    if isinstance(ase_dyn, ase_nhc.MTKNPT):
+        p_g = rng.normal(size=(3, 3)) * np.sqrt(barostat.W * kT)
+        ase_dyn._p_g = 0.5 * (p_g + p_g.T)
+        state.cell_velocity.copy_(row(ase_dyn._p_g / barostat.W))
+    else:  # ε̇ = p_ε / W on the three diagonal entries
+        ase_dyn._p_eps = float(rng.normal()) * np.sqrt(barostat.W * kT)
+        state.cell_velocity.copy_(row(np.eye(3) * ase_dyn._p_eps / barostat.W))
+    return state
+
+
+@pytest.mark.parametrize(("ours_cls", "ase_cls"), PAIRS)
+def test_it_equals_ases_at_step_0(ours_cls, ase_cls, smooth_lj):
+    ours, reference = _pair(ours_cls, ase_cls, smooth_lj)
+    energy = ours.get_conserved_energy()
+    assert isinstance(energy, float)  # one Atoms in, one number out (as ASE)
+    assert energy == pytest.approx(reference.get_conserved_energy(), abs=SAME_STATE_EV)
+
+
+def test_mtknpt_equals_ases_with_the_same_chains_and_cell_momenta(smooth_lj):
+    ours, reference = _pair(MTKNPT, ase_nhc.MTKNPT, smooth_lj)
+    _write_state(ours, reference, np.random.default_rng(3))
+    expected = reference.get_conserved_energy()
+    assert abs(expected - reference.atoms.get_total_energy()) > 0.01  # state counts
+    assert ours.get_conserved_energy() == pytest.approx(expected, abs=SAME_STATE_EV)
+
+
+def test_isotropic_barostat_chain_counts_three_cell_dof_where_ases_counts_one(
+    smooth_lj,
+):
+    """Equal to ASE's but for the barostat chain's first link (see the docstring)."""
+    ours, reference = _pair(IsotropicMTKNPT, ase_nhc.IsotropicMTKNPT, smooth_lj)
+    state = _write_state(
+        ours, reference, np.random.default_rng(4), barostat_link_1=False
+    )
+    expected = reference.get_conserved_energy()
+    assert ours.get_conserved_energy() == pytest.approx(expected, abs=SAME_STATE_EV)
+    # link 1 moving: nvalchemi counts 3 cell dof (ASE 1) and Q'_1 = 3 kT τ_P²
+    # (ASE's R_1 = 9 kT τ_P²); the same ξ_1 and ξ̇_1 differ by exactly that
+    barostat = reference._barostat
+    xi, xi_dot = 0.05, 0.3 / np.sqrt(barostat._R[0] / barostat._kT)
+    barostat._xi[0], barostat._p_xi[0] = xi, xi_dot * barostat._R[0]
+    state.nhc_b_eta[0, 0], state.nhc_b_eta_dot[0, 0] = xi, xi_dot
+    ours_q1 = float(state.nhc_b_Q[0, 0])
+    assert ours_q1 == pytest.approx(barostat._R[0] / 3, rel=1e-12)
+    difference = 2 * barostat._kT * xi + 0.5 * (ours_q1 - barostat._R[0]) * xi_dot**2
+    assert ours.get_conserved_energy() - reference.get_conserved_energy() == (
+        pytest.approx(difference, abs=SAME_STATE_EV)
+    )
+
+
+@pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
+def test_a_batch_gives_each_structures_value(cls, smooth_lj):
+    images = [_argon(0), _argon(1)]
+    dyn = cls(images, 2 * units.fs, model=smooth_lj.model, **PARAMETERS)
+    dyn.run(10)
+    energies = dyn.get_conserved_energy()
+    assert isinstance(energies, np.ndarray)
+    assert energies.shape == (2,)
+    alone = cls(_argon(1), 2 * units.fs, model=smooth_lj.model, **PARAMETERS)
+    alone.run(10)
+    assert energies[1] == pytest.approx(alone.get_conserved_energy(), abs=1e-12)
+
+
+@pytest.mark.parametrize(("ours_cls", "ase_cls"), PAIRS)
+def test_its_drift_is_small_and_larger_than_ases(ours_cls, ase_cls, smooth_lj):
+    ours, reference = _pair(ours_cls, ase_cls, smooth_lj)
+    ours_drift = _drift(ours, 250)
+    ase_drift = _drift(reference, 250)
+    assert ours_drift < OUR_DRIFT_EV
+    assert ase_drift < ASE_DRIFT_EV
+    assert ours_drift > 10 * ase_drift  # nvalchemi's first-order integrator
+
+
+@pytest.mark.slow  # ~50 s each: 1 ps at 2 and 1 fs on both sides
+@pytest.mark.parametrize(("ours_cls", "ase_cls"), PAIRS)
+def test_drift_is_first_order_in_dt_where_ases_is_second(ours_cls, ase_cls, smooth_lj):
+    drifts = {}
+    for dt_fs in (2.0, 1.0):
+        ours, reference = _pair(ours_cls, ase_cls, smooth_lj, dt_fs=dt_fs)
+        steps = int(1000 / dt_fs)
+        drifts[dt_fs] = (_drift(ours, steps), _drift(reference, steps))
+    ours_ratio = drifts[2.0][0] / drifts[1.0][0]
+    ase_ratio = drifts[2.0][1] / drifts[1.0][1]
+    assert OUR_ORDER_RATIO[0] < ours_ratio < OUR_ORDER_RATIO[1]
+    assert ase_ratio > ASE_MIN_RATIO
+
+
+@pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
+def test_different_chain_lengths_are_refused_with_the_reason(cls, smooth_lj):
+    atoms = _argon()
+    atoms.calc = smooth_lj
+    with pytest.raises(ValueError, match="one chain_length for both") as error:
+        cls(atoms, 2 * units.fs, tchain=3, pchain=2, **PARAMETERS)
+    assert f"ase.md.nose_hoover_chain.{cls.__name__}" in str(error.value)
