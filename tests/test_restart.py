@@ -113,6 +113,18 @@ CLASSES = {
         lambda c, **k: MTKNPT(_structures(c, bulk_only=True), DT, **NPT, **k),
         50,
     ),
+    "IsotropicMTKNPT-tchain3-pchain2": (
+        lambda c, **k: IsotropicMTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=3, pchain=2, **NPT, **k
+        ),
+        50,
+    ),
+    "MTKNPT-tchain2-pchain4": (
+        lambda c, **k: MTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=2, pchain=4, **NPT, **k
+        ),
+        50,
+    ),
     "NPH": (
         lambda c, **k: NPH(
             _structures(c, bulk_only=True),
