@@ -185,11 +185,15 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         the velocity scaling ``exp(-η̇_1 dt/2)``, which the engine applies
         after the chain update in both half steps (ASE scales between the
         kicks and mirrors the sequence), so the splitting is first order.
-        With ``tchain = pchain = 1`` the quantity is not conserved at all
-        (measured: -0.1 eV in the first 150 steps at 2 fs, then flat): that
-        kernel applies its "last link" update to the single link as well,
-        with the previous link read at index -1, outside the structure's row.
-        Use chains of 2 or more links for NPT.
+        With a one-link chain (``tchain`` or ``pchain`` = 1) the quantity is
+        not conserved at all (measured: ``tchain = pchain = 1``, -0.1 eV in
+        the first 150 steps at 2 fs, then flat; ``tchain = 1, pchain = 3``,
+        a 0.10 eV spread over 0.5 ps): that kernel applies its "last link"
+        update to the single link as well, with the previous link read at
+        index -1, outside the structure's row. Use chains of 2 or more
+        links for NPT. Different lengths (``tchain = 3, pchain = 2``;
+        ``2, 4``) drift as equal ones (0.5 ps at 2 fs: 2.5e-3 eV for 3/2 as
+        for 3/3, 1.4e-3 eV for 2/4).
 
         Returns
         -------
