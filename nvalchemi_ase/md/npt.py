@@ -185,6 +185,15 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         the velocity scaling ``exp(-η̇_1 dt/2)``, which the engine applies
         after the chain update in both half steps (ASE scales between the
         kicks and mirrors the sequence), so the splitting is first order.
+        Moving the scaling between the kicks (two kernel calls over
+        ``dt/4`` around it) is not enough (measured, ``IsotropicMTKNPT``,
+        1 ps: 9.5e-4 eV at 2 fs, 4.7e-4 at 1 fs, ratio 2.0): the kernel's
+        link update ``η̇_k ← η̇_k exp(-η̇_{k+1} dt/4) + G_k dt/4`` is not
+        self-adjoint (ASE's is ``exp(-η̇_{k+1} dt/8)``, kick,
+        ``exp(-η̇_{k+1} dt/8)``). With that update as well (a torch copy of
+        the kernel, an experiment only) it falls to 4.4e-5 and 1.7e-5 eV
+        (ratio 2.6), so a second-order NPT needs its own chain update, not
+        an orchestration of nvalchemiops' kernel.
         With a one-link chain (``tchain`` or ``pchain`` = 1) the quantity is
         not conserved at all (measured: ``tchain = pchain = 1``, -0.1 eV in
         the first 150 steps at 2 fs, then flat; ``tchain = 1, pchain = 3``,
