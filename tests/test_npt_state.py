@@ -4,8 +4,8 @@ nvalchemiops 0.5's chain kernel reads ``eta_dot[s, 1]`` even when the chain has
 one link: past the end of the engine's ``[B, 1]`` chain velocities, i.e. heap
 memory for the last structure (NaN after one step in most fresh processes) and
 the next structure's thermostat for the others. ``nvalchemi_ase.engines.mtk``
-pads those tensors with a zero column (each chain by its own length). What the
-heap holds depends on the process, so reproducibility is checked across fresh
+gives a one-link chain a frozen second link (each chain by its own length). What
+the heap holds depends on the process, so reproducibility is checked across fresh
 interpreters; the coupling between structures of a batch shows in one.
 """
 

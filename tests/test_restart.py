@@ -125,6 +125,12 @@ CLASSES = {
         ),
         50,
     ),
+    "MTKNPT-tchain1-pchain2": (  # the one-link chain's frozen link, rebuilt
+        lambda c, **k: MTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=1, pchain=2, **NPT, **k
+        ),
+        50,
+    ),
     "NPH": (
         lambda c, **k: NPH(
             _structures(c, bulk_only=True),

@@ -17,21 +17,24 @@ what the two lengths touch:
 * **Half steps.** ``pre_update``/``post_update`` are nvalchemi's, operator for
   operator and in its order (NHC-p → NHC-b → barostat → velocities →
   positions → cell, and the mirror after the forces), with each chain's
-  kernel call given its own length. With equal lengths every step is
-  nvalchemi's bit for bit.
+  kernel call given its own length. With equal lengths (of 2 or more links)
+  every step is nvalchemi's bit for bit.
 
-Two further fixes, kept from the engine this replaces in ``md/npt.py``:
+Two further fixes (the first one extends the padding the engine this
+replaces in ``md/npt.py`` did for the chain velocities only):
 
 * **Chains of length 1.** nvalchemiops 0.5's NHC kernel
   (``_npt_thermostat_chain_update_kernel``) reads ``eta_dot[s, 1]`` whatever
   the chain length, one element past the end of structure s's row of a
-  ``[B, 1]`` tensor (the next structure's value, or the heap). Such a chain's
-  velocities are given a zero column the kernel reads and never writes (the
-  state's ``[B, 1]`` tensor becomes a view of a ``[B, 2]`` zero buffer),
-  rebuilt at every half step if the state was replaced (refill, checkpoint).
-  The kernel still applies its "last link" update to the single link, with
-  the previous link read at index -1, so a 1-link chain does not conserve
-  the MTK energy (see ``md/npt.py``).
+  ``[B, 1]`` tensor (the next structure's value, or the heap), and applies its
+  "last link" update to a single link too, reading link -1 (the previous
+  row), so a 1-link chain was neither safe nor conserving. Such a chain's
+  ``[B, 1]`` tensors (η, η̇, Q) become views of ``[B, 2]`` buffers whose
+  second column is a frozen link (η = η̇ = 0, Q = inf) and the kernel is
+  called with 2 links: it then gives the first link exactly the one-link
+  chain's kicks (:func:`_frozen_second_link`), and reads nothing outside the
+  row. The views are rebuilt at every half step if the state was replaced
+  (refill, checkpoint).
 * **Deprecation warnings.** nvalchemi 0.3 passes ``cells_inv``/``volumes`` to
   nvalchemiops 0.5 kernels that deprecated them; the half steps run with
   those two warnings ignored (:func:`deprecated_arguments_ignored`).
@@ -44,6 +47,7 @@ eV/Å³, state times in the internal (= ASE) time unit.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -66,6 +70,10 @@ _DEPRECATED_ARGUMENTS = ("'cells_inv' is deprecated", "'volumes' is deprecated")
 #: barostat [B, barostat_chain_length].
 _CHAIN_VELOCITIES = ("nhc_eta_dot", "nhc_b_eta_dot")
 
+#: Each chain's positions, velocities and masses.
+_PARTICLE_CHAIN = ("nhc_eta", "nhc_eta_dot", "nhc_Q")
+_BAROSTAT_CHAIN = ("nhc_b_eta", "nhc_b_eta_dot", "nhc_b_Q")
+
 
 @contextlib.contextmanager
 def deprecated_arguments_ignored() -> Iterator[None]:
@@ -81,20 +89,27 @@ def deprecated_arguments_ignored() -> Iterator[None]:
         yield
 
 
-def _pad_chain_velocities(state: Batch, key: str) -> None:
-    """Give a length-1 chain's velocities ``state[key]`` the zero column read.
+def _frozen_second_link(state: Batch, keys: tuple[str, str, str]) -> None:
+    """Give a 1-link chain ``state[keys]`` (η, η̇, Q) a frozen second link.
 
-    The ``[B, 1]`` tensor is replaced by the first column of a ``[B, 2]``
-    buffer whose second column is zero (Warp indexes the view through its
-    strides, so ``eta_dot[s, 1]`` reads that zero; no kernel writes it).
-    Idempotent; only for chains of length 1.
+    Each ``[B, 1]`` tensor is replaced by the first column of a ``[B, 2]``
+    buffer whose second column holds η = η̇ = 0 and Q = inf; the kernel is then
+    called with 2 links. Its updates of that link add ``(Q_1 η̇_1² - kT)/inf
+    = 0``, its factors ``exp(-η̇_2 dt/4)`` are 1 and ``η_2`` gains 0, so the
+    first link gets exactly the one-link chain's kicks ``G_1 dt/4``, and no
+    read leaves the structure's row. Idempotent (a padded view has stride
+    ``(2, 1)``); redone when the state was replaced (refill, checkpoint).
     """
-    velocities = getattr(state, key)
-    if velocities.stride() == (2, 1):
-        return  # already a view of a padded buffer
-    padded = velocities.new_zeros(velocities.shape[0], 2)
-    padded[:, :1].copy_(velocities)
-    state[key] = padded[:, :1]
+    eta, eta_dot, masses = (getattr(state, key) for key in keys)
+    if masses.stride() == (2, 1):
+        return  # already views of padded buffers
+    pads = (0.0, 0.0, math.inf)
+    for key, tensor, pad in zip(keys, (eta, eta_dot, masses), pads, strict=True):
+        padded = torch.full(
+            (tensor.shape[0], 2), pad, dtype=tensor.dtype, device=tensor.device
+        )
+        padded[:, :1].copy_(tensor)
+        state[key] = padded[:, :1]
 
 
 class ChainNPT(NPT):  # type: ignore[misc]
@@ -208,11 +223,11 @@ class ChainNPT(NPT):  # type: ignore[misc]
         state["nhc_b_eta_dot"] = torch.zeros(rows, links, dtype=dtype, device=dev)
 
     def _pad_length_one_chains(self) -> None:
-        """Zero column for each length-1 chain (see the module docstring)."""
+        """Give each 1-link chain a frozen second link (module docstring)."""
         if self.chain_length == 1:
-            _pad_chain_velocities(self._state, "nhc_eta_dot")
+            _frozen_second_link(self._state, _PARTICLE_CHAIN)
         if self.barostat_chain_length == 1:
-            _pad_chain_velocities(self._state, "nhc_b_eta_dot")
+            _frozen_second_link(self._state, _BAROSTAT_CHAIN)
 
     # -- the chains' half steps ----------------------------------------------
 
@@ -226,7 +241,7 @@ class ChainNPT(NPT):  # type: ignore[misc]
             state.temperature,
             state.nhc_Q,
             state.num_atoms_per_system,
-            self.chain_length,
+            max(self.chain_length, 2),  # 1 link: plus the frozen one
             state.dt,
         )
         scale = torch.exp(-state.nhc_eta_dot[:, 0] * state.dt * 0.5)
@@ -253,7 +268,7 @@ class ChainNPT(NPT):  # type: ignore[misc]
             state.temperature,
             state.nhc_b_Q,
             cell_ndof,
-            self.barostat_chain_length,
+            max(self.barostat_chain_length, 2),
             state.dt,
         )
         b_scale = torch.exp(-state.nhc_b_eta_dot[:, 0] * state.dt * 0.5)

@@ -194,15 +194,14 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         the kernel, an experiment only) it falls to 4.4e-5 and 1.7e-5 eV
         (ratio 2.6), so a second-order NPT needs its own chain update, not
         an orchestration of nvalchemiops' kernel.
-        With a one-link chain (``tchain`` or ``pchain`` = 1) the quantity is
-        not conserved at all (measured: ``tchain = pchain = 1``, -0.1 eV in
-        the first 150 steps at 2 fs, then flat; ``tchain = 1, pchain = 3``,
-        a 0.10 eV spread over 0.5 ps): that kernel applies its "last link"
-        update to the single link as well, with the previous link read at
-        index -1, outside the structure's row. Use chains of 2 or more
-        links for NPT. Different lengths (``tchain = 3, pchain = 2``;
-        ``2, 4``) drift as equal ones (0.5 ps at 2 fs: 2.5e-3 eV for 3/2 as
-        for 3/3, 1.4e-3 eV for 2/4).
+        Different lengths (``tchain = 3, pchain = 2``; ``2, 4``) drift as
+        equal ones (0.5 ps at 2 fs: 2.5e-3 eV for 3/2 as for 3/3, 1.4e-3 eV
+        for 2/4). A one-link chain (``tchain`` or ``pchain`` = 1) runs with
+        a frozen second link (:mod:`nvalchemi_ase.engines.mtk`) and drifts as
+        much (3.1e-3 eV for ``tchain = 1``, 2.5e-3 eV for ``pchain = 1``);
+        nvalchemiops' kernel on its own applies its "last link" update to a
+        single link too, reading link -1 outside the structure's row (-0.1 eV
+        in the first 150 steps at 2 fs, before this package's fix).
 
         Returns
         -------
