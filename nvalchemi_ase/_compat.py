@@ -16,6 +16,7 @@ as prescribed; they are listed here too so the same test watches them.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nvalchemi_ase._quiet import import_quietly
@@ -40,6 +41,7 @@ __all__ = [
     "masked_pre_update",
     "neighbor_hook_reference",
     "neighbor_hook_state",
+    "npt_operators",
     "open_hooks",
     "pipeline_all_done",
     "pipeline_start",
@@ -127,6 +129,83 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         "_make_state_batch",
         ("system_data", "device"),
         "the Batch an engine keeps its per-structure state in",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.npt_nph",
+        "",
+        "npt_thermostat_half_step",
+        (),  # a torch custom op: its signature reads (*args, **kwargs)
+        "engines.mtk: one NHC half step per chain, each with its own length",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.npt_nph",
+        "",
+        "npt_barostat_half_step",
+        (),
+        "engines.mtk: NPT's cell-velocity half step, as nvalchemi's NPT calls it",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.npt_nph",
+        "",
+        "nph_velocity_half_step",
+        (),
+        "engines.mtk: NPT's force + strain velocity half step",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.npt_nph",
+        "",
+        "npt_position_update",
+        (),
+        "engines.mtk: NPT's position update",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.npt_nph",
+        "",
+        "npt_cell_update",
+        (),
+        "engines.mtk: NPT's cell update",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics._ops.nose_hoover",
+        "",
+        "nhc_compute_masses",
+        ("temperature", "thermostat_time", "masses", "batch_idx", "chain_length"),
+        "engines.mtk: the barostat chain's masses for its own length",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.integrators.npt",
+        "",
+        "_cell_kinetic_energy",
+        ("cell_velocity", "W", "pressure_coupling"),
+        "engines.mtk: the cell's kinetic energy the barostat chain is driven by",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.integrators.npt",
+        "",
+        "_cell_dof_count",
+        ("pressure_coupling",),
+        "engines.mtk: the cell degrees of freedom of a coupling mode",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.integrators.npt",
+        "NPT",
+        "_compute_volumes",
+        ("batch",),
+        "engines.mtk: NPT's own volumes, inherited",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.integrators.npt",
+        "NPT",
+        "_compute_ke",
+        ("batch",),
+        "engines.mtk: NPT's own kinetic energies, inherited",
+    ),
+    PrivateMember(
+        "nvalchemi.dynamics.integrators.npt",
+        "NPT",
+        "_compute_P",
+        ("batch", "volumes"),
+        "engines.mtk: NPT's own instantaneous pressure tensor, inherited",
     ),
     PrivateMember(
         "nvalchemi.data.level_storage",
@@ -334,6 +413,36 @@ def make_state_batch(data: dict[str, torch.Tensor], device: torch.device) -> Bat
     """Make the ``Batch`` an engine keeps per-structure state in (``_state``)."""
     bridge = import_quietly("nvalchemi.dynamics._ops._bridge")
     return bridge._make_state_batch(data, device)
+
+
+@functools.cache
+def npt_operators() -> Any:
+    """Return nvalchemi 0.3's NPT operators, the ones its ``NPT`` engine calls.
+
+    A namespace with the torch ops of ``nvalchemi.dynamics._ops.npt_nph``
+    (``npt_thermostat_half_step``, ``npt_barostat_half_step``,
+    ``nph_velocity_half_step``, ``npt_position_update``, ``npt_cell_update``),
+    ``nhc_compute_masses`` (``_ops.nose_hoover``) and the two module-private
+    helpers of ``nvalchemi.dynamics.integrators.npt``
+    (``cell_kinetic_energy`` = ``_cell_kinetic_energy``, ``cell_dof_count`` =
+    ``_cell_dof_count``). Arguments and units are nvalchemi's (kT in eV,
+    times in the internal time unit).
+    """
+    from types import SimpleNamespace
+
+    ops = import_quietly("nvalchemi.dynamics._ops.npt_nph")
+    nose_hoover = import_quietly("nvalchemi.dynamics._ops.nose_hoover")
+    integrator = import_quietly("nvalchemi.dynamics.integrators.npt")
+    return SimpleNamespace(
+        npt_thermostat_half_step=ops.npt_thermostat_half_step,
+        npt_barostat_half_step=ops.npt_barostat_half_step,
+        nph_velocity_half_step=ops.nph_velocity_half_step,
+        npt_position_update=ops.npt_position_update,
+        npt_cell_update=ops.npt_cell_update,
+        nhc_compute_masses=nose_hoover.nhc_compute_masses,
+        cell_kinetic_energy=integrator._cell_kinetic_energy,
+        cell_dof_count=integrator._cell_dof_count,
+    )
 
 
 def engine_state(engine: BaseDynamics) -> Batch | None:

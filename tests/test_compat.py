@@ -103,8 +103,8 @@ def test_npt_state_holds_the_chain_velocities_the_workaround_pads():
     from ase.build import bulk
 
     from nvalchemi_ase import NVAlchemiCalculator
+    from nvalchemi_ase.engines.mtk import _CHAIN_VELOCITIES
     from nvalchemi_ase.md import IsotropicMTKNPT
-    from nvalchemi_ase.md.npt import _CHAIN_VELOCITIES
 
     atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
     atoms.set_momenta(np.random.default_rng(1).normal(0.0, 1.0, (len(atoms), 3)))

@@ -179,10 +179,126 @@ def test_drift_is_first_order_in_dt_where_ases_is_second(ours_cls, ase_cls, smoo
     assert ase_ratio > ASE_MIN_RATIO
 
 
+# (tchain, pchain) pairs ASE takes and nvalchemi's one chain_length does not.
+CHAIN_LENGTHS = [(3, 2), (2, 4)]
+
+
+PARTICLE_CHAIN = ("nhc_eta", "nhc_eta_dot", "nhc_Q")
+BAROSTAT_CHAIN = ("nhc_b_eta", "nhc_b_eta_dot", "nhc_b_Q")
+
+
+def _chain_shapes(state):
+    keys = (*PARTICLE_CHAIN, *BAROSTAT_CHAIN)
+    return {key: tuple(getattr(state, key).shape) for key in keys}
+
+
+def _expected_shapes(count, tchain, pchain):
+    particle = {key: (count, tchain) for key in PARTICLE_CHAIN}
+    return particle | {key: (count, pchain) for key in BAROSTAT_CHAIN}
+
+
+@pytest.mark.parametrize(("tchain", "pchain"), CHAIN_LENGTHS)
+@pytest.mark.parametrize(("ours_cls", "ase_cls"), PAIRS)
+def test_different_chain_lengths_equal_ases_at_step_0(
+    ours_cls, ase_cls, tchain, pchain, smooth_lj
+):
+    ours, reference = _pair(ours_cls, ase_cls, smooth_lj, tchain=tchain, pchain=pchain)
+    assert ours.get_conserved_energy() == pytest.approx(
+        reference.get_conserved_energy(), abs=SAME_STATE_EV
+    )
+    ours.run(1)
+    state = ours.engine._state
+    assert _chain_shapes(state) == _expected_shapes(1, tchain, pchain)
+    # each chain's masses are nvalchemi's for its own length: those of an
+    # equal-length run, link for link
+    for links, keys in ((tchain, ("nhc_Q",)), (pchain, ("nhc_b_Q",))):
+        equal = ours_cls(
+            _argon(),
+            2 * units.fs,
+            model=smooth_lj.model,
+            tchain=links,
+            pchain=links,
+            **PARAMETERS,
+        )
+        equal.run(1)
+        for key in keys:
+            torch.testing.assert_close(
+                getattr(state, key), getattr(equal.engine._state, key), rtol=0, atol=0
+            )
+    assert ours.todict()["tchain"] == tchain
+    assert ours.todict()["pchain"] == pchain
+
+
+@pytest.mark.parametrize(("tchain", "pchain"), CHAIN_LENGTHS)
 @pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
-def test_different_chain_lengths_are_refused_with_the_reason(cls, smooth_lj):
-    atoms = _argon()
-    atoms.calc = smooth_lj
-    with pytest.raises(ValueError, match="one chain_length for both") as error:
-        cls(atoms, 2 * units.fs, tchain=3, pchain=2, **PARAMETERS)
-    assert f"ase.md.nose_hoover_chain.{cls.__name__}" in str(error.value)
+def test_different_chain_lengths_drift_as_equal_ones(cls, tchain, pchain, smooth_lj):
+    """The drift is the particle chain's (docstring): as with pchain = tchain."""
+    drifts = {}
+    for links in (pchain, tchain):
+        atoms = _argon()
+        atoms.calc = smooth_lj
+        dyn = cls(atoms, 2 * units.fs, tchain=tchain, pchain=links, **PARAMETERS)
+        drifts[links] = _drift(dyn, 250)
+    assert drifts[pchain] < OUR_DRIFT_EV
+    assert 0.5 < drifts[pchain] / drifts[tchain] < 2.0
+
+
+@pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
+def test_different_chain_lengths_give_each_structure_of_a_batch_its_own(cls, smooth_lj):
+    def small(seed):
+        return thermalize(bulk("Ar", "fcc", a=A_AR, cubic=True) * (2, 2, 1), T_K, seed)
+
+    chains = {"tchain": 3, "pchain": 2}
+    images = [_argon(0), small(1)]  # 32 and 16 atoms
+    dyn = cls(images, 2 * units.fs, model=smooth_lj.model, **chains, **PARAMETERS)
+    dyn.run(10)
+    energies = dyn.get_conserved_energy()
+    assert energies.shape == (2,)
+    assert _chain_shapes(dyn.engine._state) == _expected_shapes(2, 3, 2)
+    # the barostat chain's first mass counts the cell's dof, not the atoms
+    barostat_masses = dyn.engine._state.nhc_b_Q
+    torch.testing.assert_close(barostat_masses[0], barostat_masses[1])
+    for index, atoms in enumerate((_argon(0), small(1))):
+        alone = cls(atoms, 2 * units.fs, model=smooth_lj.model, **chains, **PARAMETERS)
+        alone.run(10)
+        assert energies[index] == pytest.approx(alone.get_conserved_energy(), abs=1e-12)
+        np.testing.assert_allclose(
+            images[index].positions, atoms.positions, rtol=0, atol=1e-12
+        )
+
+
+@pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
+def test_refilled_structures_get_each_chain_at_its_own_length(cls, smooth_lj):
+    dyn = cls(
+        [_argon(0)],
+        2 * units.fs,
+        model=smooth_lj.model,
+        tchain=2,
+        pchain=4,
+        **PARAMETERS,
+    )
+    dyn.run(1)
+    fresh = dyn.engine._make_new_state(3, dyn.batch)
+    assert _chain_shapes(fresh) == _expected_shapes(3, 2, 4)
+    torch.testing.assert_close(fresh.nhc_b_Q[0], dyn.engine._state.nhc_b_Q[0])
+
+
+@pytest.mark.parametrize(
+    ("cls", "tchain", "pchain"),
+    [
+        (IsotropicMTKNPT, 1, 1),
+        (IsotropicMTKNPT, 1, 3),
+        (IsotropicMTKNPT, 3, 1),
+        (MTKNPT, 1, 1),
+    ],
+)
+def test_one_link_chains_conserve_it_as_longer_ones(cls, tchain, pchain, smooth_lj):
+    """A frozen second link (engines.mtk): before it, 1 link drifted by 0.1 eV."""
+    ours, reference = _pair(
+        cls, getattr(ase_nhc, cls.__name__), smooth_lj, tchain=tchain, pchain=pchain
+    )
+    assert ours.get_conserved_energy() == pytest.approx(
+        reference.get_conserved_energy(), abs=SAME_STATE_EV
+    )
+    assert _drift(ours, 250) < OUR_DRIFT_EV  # measured 3.1e-3 (1 link), 2.5e-3
+    assert _chain_shapes(ours.engine._state) == _expected_shapes(1, tchain, pchain)

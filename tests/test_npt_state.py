@@ -3,10 +3,10 @@
 nvalchemiops 0.5's chain kernel reads ``eta_dot[s, 1]`` even when the chain has
 one link: past the end of the engine's ``[B, 1]`` chain velocities, i.e. heap
 memory for the last structure (NaN after one step in most fresh processes) and
-the next structure's thermostat for the others. ``nvalchemi_ase.md.npt`` pads
-those tensors with a zero column. What the heap holds depends on the process,
-so reproducibility is checked across fresh interpreters; the coupling between
-structures of a batch shows in one.
+the next structure's thermostat for the others. ``nvalchemi_ase.engines.mtk``
+gives a one-link chain a frozen second link (each chain by its own length). What
+the heap holds depends on the process, so reproducibility is checked across fresh
+interpreters; the coupling between structures of a batch shows in one.
 """
 
 from __future__ import annotations
@@ -130,12 +130,14 @@ def test_one_link_chains_are_finite_and_identical_in_fresh_processes():
             )
 
 
+@pytest.mark.parametrize(("tchain", "pchain"), [(1, 1), (1, 3), (3, 1)])
 @pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
-def test_one_link_chains_of_a_batch_do_not_couple(cls, lj_calc64):
+def test_one_link_chains_of_a_batch_do_not_couple(cls, tchain, pchain, lj_calc64):
+    chains = {"tchain": tchain, "pchain": pchain}
     alone = _argon(seed=0)
-    _npt(cls, alone, lj_calc64, tchain=1, pchain=1).run(STEPS)
+    _npt(cls, alone, lj_calc64, **chains).run(STEPS)
     pair = [_argon(seed=0), _argon(seed=1)]
-    _npt(cls, pair, lj_calc64, tchain=1, pchain=1).run(STEPS)
+    _npt(cls, pair, lj_calc64, **chains).run(STEPS)
     assert np.isfinite(alone.positions).all()
     np.testing.assert_array_equal(pair[0].positions, alone.positions)
     np.testing.assert_array_equal(pair[0].cell.array, alone.cell.array)
@@ -148,6 +150,25 @@ def test_longer_chains_are_left_alone(lj_calc64):
     state = dyn.engine._state
     for key in ("nhc_eta_dot", "nhc_b_eta_dot"):
         assert getattr(state, key).is_contiguous()
+    assert np.isfinite(atoms.positions).all()
+
+
+@pytest.mark.parametrize(
+    ("tchain", "pchain", "padded"),
+    [(1, 3, "nhc_eta_dot"), (3, 1, "nhc_b_eta_dot")],
+)
+def test_only_the_one_link_chain_is_padded(tchain, pchain, padded, lj_calc64):
+    atoms = _argon()
+    dyn = _npt(MTKNPT, atoms, lj_calc64, tchain=tchain, pchain=pchain)
+    dyn.run(2)
+    state = dyn.engine._state
+    for key in ("nhc_eta_dot", "nhc_b_eta_dot"):
+        velocities = getattr(state, key)
+        if key == padded:
+            assert velocities.shape == (1, 1)
+            assert velocities.stride() == (2, 1)  # a view of the [1, 2] buffer
+        else:
+            assert velocities.is_contiguous()
     assert np.isfinite(atoms.positions).all()
 
 

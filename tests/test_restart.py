@@ -113,6 +113,24 @@ CLASSES = {
         lambda c, **k: MTKNPT(_structures(c, bulk_only=True), DT, **NPT, **k),
         50,
     ),
+    "IsotropicMTKNPT-tchain3-pchain2": (
+        lambda c, **k: IsotropicMTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=3, pchain=2, **NPT, **k
+        ),
+        50,
+    ),
+    "MTKNPT-tchain2-pchain4": (
+        lambda c, **k: MTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=2, pchain=4, **NPT, **k
+        ),
+        50,
+    ),
+    "MTKNPT-tchain1-pchain2": (  # the one-link chain's frozen link, rebuilt
+        lambda c, **k: MTKNPT(
+            _structures(c, bulk_only=True), DT, tchain=1, pchain=2, **NPT, **k
+        ),
+        50,
+    ),
     "NPH": (
         lambda c, **k: NPH(
             _structures(c, bulk_only=True),
@@ -710,3 +728,23 @@ def test_frames_written_after_the_checkpoint_by_a_killed_run_are_dropped(
         assert len(parts) == len(whole) == 31
         for expected, frame in zip(whole, parts, strict=True):
             np.testing.assert_array_equal(frame.positions, expected.positions)
+
+
+def test_npt_checkpoint_with_another_barostat_chain_is_refused(tmp_path, lj_calc64):
+    """``pchain`` sizes the barostat chain's state: another one's is refused."""
+
+    def make(pchain):
+        return lambda **k: IsotropicMTKNPT(
+            _structures(lj_calc64, bulk_only=True),
+            DT,
+            tchain=3,
+            pchain=pchain,
+            **NPT,
+            **k,
+        )
+
+    path = _written(tmp_path, lj_calc64, make=make(2))
+    images = _structures(lj_calc64, bulk_only=True)
+    with pytest.raises(CheckpointError, match="parameters") as caught:
+        IsotropicMTKNPT(images, DT, tchain=3, pchain=4, restart=path, **NPT)
+    assert "pchain" in str(caught.value)

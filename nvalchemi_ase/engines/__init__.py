@@ -17,7 +17,12 @@ engine                   ASE algorithm              ASE-style class
 ``NVTBerendsen``         ``ase.md.nvtberendsen``    ``nvalchemi_ase.md.NVTBerendsen``
 ``NVTAndersen``          ``ase.md.andersen``        ``nvalchemi_ase.md.Andersen``
 ``LangevinHooverBAOAB``  ``ase.md.langevinbaoab``   ``nvalchemi_ase.md.LangevinBAOAB``
+``ChainNPT``             ``ase.md.nose_hoover_      ``nvalchemi_ase.md.MTKNPT`` and
+                         chain`` (MTK NPT)          ``IsotropicMTKNPT``
 =======================  =========================  ==================================
+
+``ChainNPT`` is nvalchemi's own ``NPT`` engine (its kernels and splitting)
+with a separate length for the barostat's Nosé-Hoover chain.
 
 Units follow nvalchemi: integrator time steps and coupling times in fs,
 temperatures in K (``KB_EV``), velocities in Å per ASE time unit; the
@@ -33,10 +38,12 @@ from nvalchemi_ase.engines.bussi import NVTBussi
 from nvalchemi_ase.engines.fire import FIRE
 from nvalchemi_ase.engines.langevin_hoover import LangevinHooverBAOAB
 from nvalchemi_ase.engines.mdmin import MDMin
+from nvalchemi_ase.engines.mtk import ChainNPT
 
 __all__ = [
     "BFGS",
     "FIRE",
+    "ChainNPT",
     "LangevinHooverBAOAB",
     "MDMin",
     "NVTAndersen",

@@ -1,35 +1,25 @@
-"""Constant-pressure MD on nvalchemi's MTK engines.
+"""Constant-pressure MD on MTK engines.
 
 ``IsotropicMTKNPT``, ``MTKNPT`` and ``NPH``.
 
-The engines are nvalchemi 0.3's ``NPT`` and ``NPH``, subclassed here for two
-things only (:func:`_engine_classes`):
+``IsotropicMTKNPT``/``MTKNPT`` run :class:`nvalchemi_ase.engines.mtk.ChainNPT`:
+nvalchemi 0.3's ``NPT`` with its own length for each Nosé-Hoover chain
+(ASE's ``tchain`` for the particles, ``pchain`` for the barostat; nvalchemi's
+engine takes one), with nvalchemi's kernels and splitting, safe with chains
+of length 1 and without the nvalchemiops deprecation warnings (see that
+module). ``NPH`` runs nvalchemi's ``NPH``, subclassed here
+(:func:`_nph_engine_class`) only to ignore those warnings, under
+:func:`warnings.catch_warnings` (the process's filters are left as they were).
 
-* **Chains of length 1.** nvalchemiops 0.5's NHC kernel
-  (``_npt_thermostat_chain_update_kernel``) reads ``eta_dot[s, 1]`` whatever
-  the chain length. With ``chain_length=1`` that is one element past the end of
-  structure s's row of the ``[B, 1]`` chain velocities: the next structure's
-  chain velocity, or, for the last structure, the heap just past the end of
-  the tensor. When those happen to hold 0 the step is what nvalchemi means; when
-  they hold anything else the first step can already be NaN (most fresh
-  processes on the CPU), and in a batch the structures' thermostats are
-  coupled. The chain velocities of both chains (particles and cell) are
-  therefore given a zero column the kernel can read and never writes: the
-  engine's ``[B, 1]`` tensor becomes a view of a ``[B, 2]`` zero buffer. Runs
-  that were finite before are unchanged bit for bit.
-* **Deprecation warnings.** nvalchemi 0.3 passes ``cells_inv`` and ``volumes``
-  to nvalchemiops 0.5 kernels that deprecated them, one ``DeprecationWarning``
-  per kernel call; the integrator's half steps run with those two warnings
-  ignored, under :func:`warnings.catch_warnings` (the process's filters are
-  left as they were).
+Units: ASE's at this interface (time steps and ``tdamp``/``pdamp`` in ASE time
+units, temperatures in K, pressures in eV/Å³), nvalchemi's in the engines (fs,
+K with nvalchemi's ``KB_EV``, eV/Å³), converted with :mod:`nvalchemi_ase.units`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -48,12 +38,6 @@ if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
 __all__ = ["MTKNPT", "NPH", "IsotropicMTKNPT"]
-
-#: Messages of the nvalchemiops deprecations nvalchemi 0.3's NPT/NPH trigger.
-_DEPRECATED_ARGUMENTS = ("'cells_inv' is deprecated", "'volumes' is deprecated")
-
-#: The engine's NHC chain-velocity tensors, ``[B, chain_length]``.
-_CHAIN_VELOCITIES = ("nhc_eta_dot", "nhc_b_eta_dot")
 
 #: Degrees of freedom nvalchemi 0.3's ``NPT`` thermostats with the barostat
 #: chain: ``3 * (cell_dofs // 3)`` (``NPT.pre_update``), i.e. 3 for
@@ -74,80 +58,24 @@ def _chain_energy(
     return kinetic + dof * kT * eta[:, 0] + kT * eta[:, 1:].sum(dim=1)
 
 
-@contextlib.contextmanager
-def _deprecated_arguments_ignored() -> Iterator[None]:
-    """Ignore nvalchemiops' ``cells_inv``/``volumes`` deprecations in the block."""
-    with warnings.catch_warnings():
-        for message in _DEPRECATED_ARGUMENTS:
-            warnings.filterwarnings(
-                "ignore",
-                message=message,
-                category=DeprecationWarning,
-                module=r"nvalchemiops\.",
-            )
-        yield
-
-
-def _pad_chain_velocities(state: Batch, chain_length: int) -> None:
-    """Give length-1 NHC chain velocities the zero column the kernel reads.
-
-    nvalchemiops' ``_npt_thermostat_chain_update_kernel`` scales the first link
-    by ``exp(-dt/4 * eta_dot[s, 1])`` for every chain length; with one link that
-    index is out of bounds. Each ``[B, 1]`` chain-velocity tensor of ``state``
-    is replaced by the first column of a ``[B, 2]`` buffer whose second column
-    is zero (Warp indexes the view through its strides, so ``eta_dot[s, 1]``
-    reads that zero; no kernel writes it). Idempotent; a no-op for longer
-    chains, which the kernel indexes correctly.
-
-    Parameters
-    ----------
-    state : nvalchemi.data.Batch
-        The engine's per-structure state (``NPT._state``), modified in place.
-    chain_length : int
-        The engine's chain length.
-    """
-    if chain_length != 1:
-        return
-    for key in _CHAIN_VELOCITIES:
-        velocities = getattr(state, key)
-        if velocities.stride() == (2, 1):
-            continue  # already a view of a padded buffer
-        padded = velocities.new_zeros(velocities.shape[0], 2)
-        padded[:, :1].copy_(velocities)
-        state[key] = padded[:, :1]
-
-
 @functools.cache
-def _engine_classes() -> tuple[type, type]:
-    """Return nvalchemi's ``NPT`` and ``NPH`` with the fixes of the module docstring."""
+def _nph_engine_class() -> type:
+    """Return nvalchemi's ``NPH`` without its kernels' deprecation warnings."""
     dynamics = import_quietly("nvalchemi.dynamics")
-
-    class NPT(dynamics.NPT):  # type: ignore[misc,name-defined]
-        """The ``NPT`` engine, safe with ``chain_length=1``, without its warnings."""
-
-        def pre_update(self, batch: Batch) -> None:
-            # State may have been rebuilt (refill, reordering) since last step.
-            _pad_chain_velocities(self._state, self.chain_length)
-            with _deprecated_arguments_ignored():
-                super().pre_update(batch)
-
-        def post_update(self, batch: Batch) -> None:
-            _pad_chain_velocities(self._state, self.chain_length)
-            with _deprecated_arguments_ignored():
-                super().post_update(batch)
+    mtk = import_quietly("nvalchemi_ase.engines.mtk")
 
     class NPH(dynamics.NPH):  # type: ignore[misc,name-defined]
         """The ``NPH`` engine without its kernels' deprecation warnings."""
 
         def pre_update(self, batch: Batch) -> None:
-            with _deprecated_arguments_ignored():
+            with mtk.deprecated_arguments_ignored():
                 super().pre_update(batch)
 
         def post_update(self, batch: Batch) -> None:
-            with _deprecated_arguments_ignored():
+            with mtk.deprecated_arguments_ignored():
                 super().post_update(batch)
 
-    return NPT, NPH
+    return NPH
 
 
 class IsotropicMTKNPT(VariableCellMolecularDynamics):
@@ -167,9 +95,9 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         Thermostat and barostat time constants, ASE time units (ASE suggests
         100 and 1000 time steps).
     tchain, pchain : int
-        Lengths of the particle and barostat Nosé-Hoover chains. They must be
-        equal: nvalchemi 0.3's ``NPT`` takes one ``chain_length`` for both
-        (``ValueError`` otherwise).
+        Lengths (>= 1) of the particle and barostat Nosé-Hoover chains; they
+        may differ (nvalchemi's engine sizes both with one ``chain_length``;
+        :class:`~nvalchemi_ase.engines.mtk.ChainNPT` gives each its own).
     tloop, ploop : int
         Must be 1 (no sub-loops in nvalchemi's engine).
     **kwargs
@@ -197,14 +125,6 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
             # nvalchemiops' chain kernel has no guard: 0 links crash the process
             if integer_argument(name, links, "thermostats in the chain") < 1:
                 raise ValueError(f"{name} must be >= 1, got {links}")
-        if tchain != pchain:
-            raise ValueError(
-                f"tchain={tchain} and pchain={pchain} differ, but nvalchemi 0.3's NPT "
-                "engine takes one chain_length for both Nosé-Hoover chains (it sizes "
-                "the particle chain nhc_eta and the barostat chain nhc_b_eta with it "
-                "and passes it to both chain updates); give tchain == pchain, or use "
-                f"ase.md.nose_hoover_chain.{type(self).__name__} for different lengths"
-            )
         if (tloop, ploop) != (1, 1):
             raise ValueError(
                 "tloop and ploop must be 1 (nvalchemi's NPT has no sub-loops)"
@@ -214,6 +134,7 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         self.tdamp = tdamp
         self.pdamp = pdamp
         self.tchain = int(tchain)
+        self.pchain = int(pchain)
         super().__init__(images, timestep, **kwargs)
 
     def todict(self) -> dict[str, Any]:
@@ -224,6 +145,7 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
             "tdamp": self.tdamp,
             "pdamp": self.pdamp,
             "tchain": self.tchain,
+            "pchain": self.pchain,
         }
 
     def get_conserved_energy(self) -> float | npt.NDArray[np.float64]:
@@ -263,11 +185,23 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         the velocity scaling ``exp(-η̇_1 dt/2)``, which the engine applies
         after the chain update in both half steps (ASE scales between the
         kicks and mirrors the sequence), so the splitting is first order.
-        With ``tchain = pchain = 1`` the quantity is not conserved at all
-        (measured: -0.1 eV in the first 150 steps at 2 fs, then flat): that
-        kernel applies its "last link" update to the single link as well,
-        with the previous link read at index -1, outside the structure's row.
-        Use chains of 2 or more links for NPT.
+        Moving the scaling between the kicks (two kernel calls over
+        ``dt/4`` around it) is not enough (measured, ``IsotropicMTKNPT``,
+        1 ps: 9.5e-4 eV at 2 fs, 4.7e-4 at 1 fs, ratio 2.0): the kernel's
+        link update ``η̇_k ← η̇_k exp(-η̇_{k+1} dt/4) + G_k dt/4`` is not
+        self-adjoint (ASE's is ``exp(-η̇_{k+1} dt/8)``, kick,
+        ``exp(-η̇_{k+1} dt/8)``). With that update as well (a torch copy of
+        the kernel, an experiment only) it falls to 4.4e-5 and 1.7e-5 eV
+        (ratio 2.6), so a second-order NPT needs its own chain update, not
+        an orchestration of nvalchemiops' kernel.
+        Different lengths (``tchain = 3, pchain = 2``; ``2, 4``) drift as
+        equal ones (0.5 ps at 2 fs: 2.5e-3 eV for 3/2 as for 3/3, 1.4e-3 eV
+        for 2/4). A one-link chain (``tchain`` or ``pchain`` = 1) runs with
+        a frozen second link (:mod:`nvalchemi_ase.engines.mtk`) and drifts as
+        much (3.1e-3 eV for ``tchain = 1``, 2.5e-3 eV for ``pchain = 1``);
+        nvalchemiops' kernel on its own applies its "last link" update to a
+        single link too, reading link -1 outside the structure's row (-0.1 eV
+        in the first 150 steps at 2 fs, before this package's fix).
 
         Returns
         -------
@@ -323,8 +257,8 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
-        npt_engine, _ = _engine_classes()
-        return npt_engine(
+        engines = import_quietly("nvalchemi_ase.engines.mtk")
+        return engines.ChainNPT(
             self.model,
             dt=ase_time_to_fs(self.dt),
             temperature=self._engine_temperature(),
@@ -333,6 +267,7 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
             thermostat_time=ase_time_to_fs(float(self.tdamp)),
             pressure_coupling=self._pressure_coupling,
             chain_length=self.tchain,
+            barostat_chain_length=self.pchain,
             hooks=hooks,
         )
 
@@ -398,8 +333,7 @@ class NPH(VariableCellMolecularDynamics):
 
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
-        _, nph_engine = _engine_classes()
-        return nph_engine(
+        return _nph_engine_class()(
             self.model,
             dt=ase_time_to_fs(self.dt),
             pressure=self._pressure(self.pressure_au),
