@@ -170,7 +170,7 @@ class RelaxThenMD(BatchedDynamics):
         self.max_steps = self.nsteps + steps
         with self._running():
             self._prime()
-            if self.nsteps == 0:
+            if self._fresh_start():
                 self._sync_if(sync_every_step or self._observers_due(0))
                 self.call_observers()
             done = self._all_finished()

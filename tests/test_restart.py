@@ -604,7 +604,9 @@ def test_stale_temporary_file_is_ignored(tmp_path, lj_calc64):
 # -- trajectories ---------------------------------------------------------------------
 
 
-def test_trajectory_continues_without_duplicated_frames(tmp_path, lj_calc64):
+@pytest.mark.parametrize("first", [10, 0], ids=["stopped-at-10", "stopped-at-0"])
+def test_trajectory_continues_without_duplicated_frames(tmp_path, lj_calc64, first):
+    """Also from a checkpoint taken at step 0 (a stop before the first step)."""
     from ase.io import read
 
     def make(name, **kwargs):
@@ -618,8 +620,8 @@ def test_trajectory_continues_without_duplicated_frames(tmp_path, lj_calc64):
 
     make("whole").run(20)
     path = tmp_path / "vv.npz"
-    make("parts", restart=path).run(10)
-    make("parts", restart=path, append_trajectory=True).run(10)
+    make("parts", restart=path).run(first)
+    make("parts", restart=path, append_trajectory=True).run(20 - first)
     for index in range(3):
         whole = read(tmp_path / f"whole_{index}.traj", ":")
         parts = read(tmp_path / f"parts_{index}.traj", ":")

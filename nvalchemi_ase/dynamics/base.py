@@ -228,6 +228,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._pending_checkpoint: Checkpoint | None = None
+        self._continued = False  # continued from a checkpoint (restart=)
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
@@ -855,6 +856,16 @@ class BatchedDynamics(AseBaseDynamics):
         self._primed = False
         self._pending_checkpoint = checkpoint
         self._checkpoint_nsteps = self.nsteps
+        self._continued = True
+
+    def _fresh_start(self) -> bool:
+        """Whether ``irun`` starts at step 0 of a run not continued from a checkpoint.
+
+        ASE logs and calls the observers at step 0; a run continued from a
+        checkpoint taken at step 0 (stopped before its first step) did so
+        before the checkpoint, so doing it again would repeat frame 0.
+        """
+        return self.nsteps == 0 and not self._continued
 
     def _checkpoint_observer(self) -> None:
         if self.nsteps > 0:

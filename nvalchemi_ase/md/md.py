@@ -151,7 +151,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         self.max_steps = self.nsteps + steps
         with self._running():
             self._prime()
-            if self.nsteps == 0:  # ASE: _refresh_properties, log, call_observers
+            if self._fresh_start():  # ASE: _refresh_properties, log, call_observers
                 self._refresh_properties()
                 self.log()
                 self._sync_if(sync_every_step or self._observers_due(0))
