@@ -100,8 +100,9 @@ def sort_output(path: str | Path) -> None:
     """Rewrite a runner's extxyz output in input order (``info["index"]``).
 
     Frames are moved as text, never parsed into structures: memory holds one
-    offset per frame, and every number is kept to the last digit written. The
-    file is replaced atomically (a sorted copy is renamed over it).
+    offset per frame, and every number is kept to the last digit written. An
+    index that appears twice keeps its first frame. The file is replaced
+    atomically (a sorted copy is renamed over it).
 
     Parameters
     ----------
