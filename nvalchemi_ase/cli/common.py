@@ -149,8 +149,9 @@ def add_resume_option(
     parser : argparse.ArgumentParser
         The command's parser.
     checkpoints : bool
-        The command writes a checkpoint of the batch in flight (``md``):
-        ``--restart`` continues it and ``--checkpoint-every`` is added.
+        The command writes a checkpoint of the batch in flight (``md``,
+        ``relax``): ``--restart`` continues it and ``--checkpoint-every`` is
+        added.
     """
     parser.add_argument(
         "--resume",
@@ -162,8 +163,8 @@ def add_resume_option(
         "always pass it",
     )
     in_flight = (
-        "and the batch in flight continues from the checkpoint in the output "
-        "folder (written every --checkpoint-every steps and on SIGTERM/SIGINT), "
+        "and the batch in flight continues from its checkpoint next to the "
+        "outputs (written every --checkpoint-every steps and on SIGTERM/SIGINT), "
         "so the trajectories and results are those of an uninterrupted run"
         if checkpoints
         else "(the structures in flight when it stopped are computed again)"

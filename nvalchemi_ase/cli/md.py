@@ -165,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     from nvalchemi_ase.cli.outputs import OutputFiles, write_failure_table
     from nvalchemi_ase.cli.runs import (
         RunState,
+        claimed_checkpoint,
         on_root,
+        remove_stale_checkpoint_writes,
         report_failure,
         resumed,
         series_of_every_rank,
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         outputs, scanned, done=done, signals=getattr(args, "signals", None)
     )
     args.run_state = state
-    checkpoint = _checkpoint(folder, args)
+    checkpoint = claimed_checkpoint(folder / CHECKPOINT_NAME, args)
     folder.mkdir(parents=True, exist_ok=True)
     dynamics, parameters = _dynamics(args)
     series: dict[int, Any] | None = {} if args.plot else None
@@ -226,8 +228,7 @@ def run(args: argparse.Namespace) -> int:
         _plot(series, scanned.labels, files.plot, args.ensemble)
     with state.finishing():  # a signal now waits: the run is complete
         outputs.commit()
-    for stale in folder.glob(f".{CHECKPOINT_NAME}.*.tmp"):  # a write cut by kill -9
-        stale.unlink()
+    remove_stale_checkpoint_writes(checkpoint)
     note = f"; {failed} failed (see {files.table_final})" if failed else ""
     say(
         args,
@@ -273,36 +274,6 @@ def _ranks(args: argparse.Namespace) -> int:
     """Ranks of this run (1 unless launched by ``torchrun``)."""
     shard = getattr(args, "shard", None)
     return 1 if shard is None else int(shard.size)
-
-
-def _checkpoint(folder: Path, args: argparse.Namespace) -> Path:
-    """Return the checkpoint path; an earlier run's is kept only for --restart.
-
-    Under ``torchrun`` rank ``r > 0`` checkpoints its batch in flight to
-    ``checkpoint.rank<r>.npz`` (the runner derives it from this path).
-
-    Raises
-    ------
-    CommandError
-        If a checkpoint is there and neither --restart (continue from it),
-        --resume (run its batch again from the start) nor --overwrite is given.
-    """
-    from nvalchemi_ase.cli.common import CommandError
-    from nvalchemi_ase.runners.distributed import shard_path
-
-    path = folder / CHECKPOINT_NAME
-    rank = getattr(getattr(args, "shard", None), "rank", 0)
-    own = shard_path(path, rank) if rank else path  # under torchrun, per rank
-    if args.restart or not own.exists():
-        return path
-    if not (args.resume or args.overwrite):
-        raise CommandError(
-            f"{own} holds the checkpoint of an interrupted run; pass --restart "
-            "to continue it, --resume to run its batch again from the start, "
-            "--overwrite to discard the run, or move it away"
-        )
-    own.unlink()  # --resume or --overwrite: its batch runs again from the start
-    return path
 
 
 def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:

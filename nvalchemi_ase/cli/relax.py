@@ -21,6 +21,16 @@ was computed before an error, Ctrl-C or a killed job stays there; --resume
 continues from it), and the files are renamed to NAME.EXT when all structures
 are done; existing outputs are replaced only with --overwrite, and an output
 that is an input is refused.
+
+Preemption: the working batch writes STEM.checkpoint.npz next to OUTPUT every
+--checkpoint-every batch steps (default 100), atomically; it is removed once
+every structure is written. SIGTERM or SIGINT stops the run at the next batch
+step: the checkpoint of that step is written, every file flushed and closed,
+one line says where the run stopped, and the exit status is 75. --restart
+continues: finished structures are kept (as --resume) and the structures in
+flight go on from the checkpoint, so the output and trajectories are those of
+an uninterrupted run (a run killed without warning continues from its last
+periodic checkpoint; structures it finished after that are not computed again).
 """
 
 from __future__ import annotations
@@ -99,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "structure against its own step (the structures relaxed by this run)",
     )
     add_overwrite_option(parser)
-    add_resume_option(parser)
+    add_resume_option(parser, checkpoints=True)
     add_model_options(parser)
     add_batching_options(parser)
 
@@ -119,14 +129,16 @@ def run(args: argparse.Namespace) -> int:
     from nvalchemi_ase.cli.outputs import OutputFiles
     from nvalchemi_ase.cli.runs import (
         RunState,
+        claimed_checkpoint,
         on_root,
+        remove_stale_checkpoint_writes,
         report_failure,
         resumed,
         series_of_every_rank,
     )
     from nvalchemi_ase.runners import irelax
 
-    args.resume = args.resume or args.restart  # in-flight work starts again
+    args.resume = args.resume or args.restart  # --restart is --resume and more
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
     output = Path(args.output)
@@ -139,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
         outputs, scanned, done=done, signals=getattr(args, "signals", None)
     )
     args.run_state = state
+    checkpoint = claimed_checkpoint(files.checkpoint, args)
     series: dict[int, Any] | None = {} if args.plot else None
-    with state.running():
+    with state.running(deferred=True):
         for _, atoms in irelax(
             labelled_atoms(inputs),
             calc,
@@ -157,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
             trajectory=trajectory,
             series=series,
             progress=show_progress(args),
+            restart=checkpoint,
+            restart_interval=args.checkpoint_every,
+            stop=state.signals,
         ):
             state.done += 1
             if atoms.info["failure"] is not None:
@@ -167,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     failed = files.finish(series, scanned.labels, args.optimizer)
     with state.finishing():  # a signal now waits: the run is complete
         outputs.commit()
+    remove_stale_checkpoint_writes(checkpoint)
     converged = _summary(args, output, files.failed_final)
     note = (
         f"; {failed} failed (see {files.failed_final}, {files.table_final})"
@@ -187,6 +204,8 @@ class _Files:
     def __init__(self, outputs: OutputFiles, output: Path, *, plot: bool) -> None:
         self.failed_final = output.with_name(f"{output.stem}.failed.extxyz")
         self.table_final = output.with_name(f"{output.stem}.failures.csv")
+        #: The working batch's checkpoint (not staged: removed by the runner).
+        self.checkpoint = output.with_name(f"{output.stem}.checkpoint.npz")
         self.staged = outputs.claim(output)
         self.failed = outputs.claim(self.failed_final)
         self.table = outputs.claim(self.table_final)

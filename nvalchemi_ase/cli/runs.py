@@ -190,6 +190,47 @@ def _name_frames(text: str, inputs: Inputs, indices: Sequence[int]) -> str:
     return re.sub(r"\bgraph (\d+)\b", label, text)
 
 
+def claimed_checkpoint(path: Path, args: argparse.Namespace) -> Path:
+    """Return the run's checkpoint path; an earlier run's is kept only for --restart.
+
+    Under ``torchrun`` rank ``r > 0`` checkpoints its batch in flight to
+    ``stem.rank<r>.npz`` (the runner derives it from ``path``).
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        Where the command keeps the checkpoint of its batch in flight.
+    args : argparse.Namespace
+        The command's arguments (``restart``, ``resume``, ``overwrite``).
+
+    Raises
+    ------
+    CommandError
+        If a checkpoint is there and neither --restart (continue from it),
+        --resume (run its batch again from the start) nor --overwrite is given.
+    """
+    from nvalchemi_ase.runners.distributed import shard_path
+
+    rank = getattr(getattr(args, "shard", None), "rank", 0)
+    own = shard_path(path, rank) if rank else path  # under torchrun, per rank
+    if args.restart or not own.exists():
+        return path
+    if not (args.resume or args.overwrite):
+        raise CommandError(
+            f"{own} holds the checkpoint of an interrupted run; pass --restart "
+            "to continue it, --resume to run its batch again from the start, "
+            "--overwrite to discard the run, or move it away"
+        )
+    own.unlink()  # --resume or --overwrite: its batch runs again from the start
+    return path
+
+
+def remove_stale_checkpoint_writes(path: Path) -> None:
+    """Remove the temporary files of checkpoint writes cut short (``kill -9``)."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink()
+
+
 def report(command: str, text: str) -> None:
     """Print one line to standard error (failures are shown even with --quiet)."""
     print(f"nvalchemi-ase {command}: {text}", file=sys.stderr)  # noqa: T201

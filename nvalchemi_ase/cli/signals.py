@@ -7,12 +7,13 @@ it returns, so nothing changes for library users) and the command ends with
 one line on standard error and exit status :data:`REQUEUE_STATUS`, every
 output file flushed and closed, so a job script can requeue the same command:
 
-* ``md`` acts on the signal at the next step boundary: the batch in flight
-  writes its checkpoint (``<output-dir>/checkpoint.npz``) and ``--restart``
+* ``md`` and ``relax`` act on the signal at the next step boundary: the
+  batch in flight writes its checkpoint (``<output-dir>/checkpoint.npz``,
+  ``STEM.checkpoint.npz`` next to the relaxed output) and ``--restart``
   continues it from there;
-* ``calc`` and ``relax`` stop at once (the structures in flight are lost and
-  computed again by ``--restart``/``--resume``; what was written is kept);
-* a second signal while ``md`` is writing its checkpoint stops at once too
+* ``calc`` stops at once (the structures in flight are lost and computed
+  again by ``--restart``/``--resume``; what was written is kept);
+* a second signal while ``md`` or ``relax`` is writing its checkpoint stops at once too
   (the previous checkpoint stays whole: checkpoints are written atomically).
 """
 

@@ -478,6 +478,9 @@ def restore_engine(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
     """
     batch, engine, path = dyn.batch, dyn.engine, checkpoint.path
     saved = checkpoint.group("engine")
+    fit = getattr(engine, "fit_checkpoint_state", None)
+    if fit is not None:  # padded state: a refilled batch's may be wider
+        fit(saved)
     live = {key: value for key, value in getattr(engine, "_state", None) or ()}
     if set(saved) != set(live):
         raise CheckpointError(

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 from ase import Atoms
 
-__all__ = ["TrajectorySet", "check_distinct_paths", "expand_template"]
+__all__ = ["TrajectorySet", "check_distinct_paths", "expand_template", "truncate"]
 
 TrajectorySpec = str | PathLike[str] | Any | Sequence[str | PathLike[str] | Any] | None
 
@@ -128,28 +128,17 @@ class TrajectorySet:
         """Cut every file that holds more than ``frames[i]`` frames back to that.
 
         Used when a run continues from a checkpoint older than the last
-        frames a killed run wrote: the file is rewritten with its first
-        ``frames[i]`` frames (temporary file, then ``os.replace``).
+        frames a killed run wrote (see :func:`truncate`).
 
         Parameters
         ----------
         frames : numpy.ndarray of int, shape (B,)
             Frames to keep per structure (negative: leave alone).
         """
-        from ase.io.trajectory import Trajectory
-
-        counts = self.frame_counts()
         for index, target in enumerate(self._targets):
             keep = int(frames[index])
-            if not isinstance(target, Path) or keep < 0 or counts[index] <= keep:
-                continue
-            with Trajectory(target, "r") as reader:
-                kept = [reader[number] for number in range(keep)]
-            temporary = target.with_name(f".{target.name}.truncated.tmp")
-            with Trajectory(temporary, "w") as writer:
-                for atoms in kept:
-                    writer.write(atoms)
-            os.replace(temporary, target)
+            if isinstance(target, Path) and keep >= 0:
+                truncate(target, keep)
 
     def _writer(self, index: int) -> Any:
         writer = self._writers.get(index)
@@ -168,6 +157,35 @@ class TrajectorySet:
             if isinstance(self._targets[index], Path):
                 writer.close()
         self._writers.clear()
+
+
+def truncate(path: Path, frames: int) -> None:
+    """Cut the trajectory file ``path`` back to its first ``frames`` frames.
+
+    The file is rewritten with those frames (temporary file, then
+    ``os.replace``, so a kill leaves the old file whole); a file that holds
+    no more than ``frames`` frames, or does not exist, is left alone.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        An ASE ``.traj`` file.
+    frames : int
+        Frames to keep (>= 0).
+    """
+    from ase.io.trajectory import Trajectory
+
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with Trajectory(path, "r") as reader:
+        if len(reader) <= frames:
+            return
+        kept = [reader[number] for number in range(frames)]
+    temporary = path.with_name(f".{path.name}.truncated.tmp")
+    with Trajectory(temporary, "w") as writer:
+        for atoms in kept:
+            writer.write(atoms)
+    os.replace(temporary, path)
 
 
 def _expand(spec: TrajectorySpec, count: int) -> list[Any]:

@@ -205,6 +205,24 @@ class BFGS(BaseDynamics):
         state = getattr(self, "_state", None)
         return 0 if state is None else int(state.previous_positions.shape[1])
 
+    def fit_checkpoint_state(self, saved: dict[str, Any]) -> None:
+        """Widen the fresh state to a checkpoint's padded width before loading it.
+
+        The padding only grows (a refilled working batch keeps the width of
+        its largest structure so far), so a checkpoint may be wider than the
+        state built for its structures; the padded block is decoupled (alpha
+        × identity, zero displacement) and its width is restored as saved.
+
+        Parameters
+        ----------
+        saved : dict of numpy.ndarray
+            The checkpoint's ``engine/<field>`` arrays (``previous_positions``
+            [B, W] gives W).
+        """
+        previous = saved.get("previous_positions")
+        if previous is not None and getattr(self, "_state", None) is not None:
+            self._widen(int(previous.shape[1]))
+
     def _widen(self, width: int) -> None:
         """Pad the stored state to ``width`` (new Hessian block: alpha × identity)."""
         old = self._state_width()

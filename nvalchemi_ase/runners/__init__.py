@@ -76,7 +76,8 @@ Modules: :mod:`~nvalchemi_ase.runners.relaxation` (the working batch of
 :func:`irelax`), :mod:`~nvalchemi_ase.runners.chunks` (single points and MD),
 :mod:`~nvalchemi_ase.runners.budget`, :mod:`~nvalchemi_ase.runners.files`
 (streamed output, resume, reading back), :mod:`~nvalchemi_ase.runners.restart`
-(the checkpoint of the MD chunk in flight, ``restart=``, and ``stop=``),
+(the checkpoint of the MD chunk or relaxation working batch in flight,
+``restart=``, and ``stop=``),
 :mod:`~nvalchemi_ase.runners.distributed` (one shard of the inputs per rank
 under ``torchrun``, merged by rank 0);
 ``_common`` holds what they share.

@@ -27,8 +27,13 @@ from nvalchemi_ase.runners._common import (
     quiet_failures,
     result_atoms,
 )
-from nvalchemi_ase.runners.distributed import Shard, shard_files, shard_path
-from nvalchemi_ase.runners.restart import ChunkRestart, RunStopped
+from nvalchemi_ase.runners.distributed import Shard
+from nvalchemi_ase.runners.restart import (
+    ChunkRestart,
+    RunStopped,
+    checkpoint_exists,
+    rank_path,
+)
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -273,13 +278,13 @@ def imd(
         max_atoms=max_atoms,
         max_structures=max_structures,
         output=output,
-        resume=resume or _has_checkpoint(restart),
+        resume=resume or checkpoint_exists(restart),
         failures=failures,
     ) as run:
         checkpoint = (
             None
             if restart is None
-            else ChunkRestart(_rank_path(restart, run.shard), restart_interval)
+            else ChunkRestart(rank_path(restart, run.shard), restart_interval)
         )
         chunk_run = _MDChunk(
             md_class,
@@ -371,25 +376,13 @@ def _resumed_chunks(
         yield (number, chunk) if numbered else chunk
 
 
-def _has_checkpoint(restart: str | Path | None) -> bool:
-    """Whether a chunk checkpoint (of any rank) is there to continue from."""
-    return restart is not None and (
-        Path(restart).exists() or bool(shard_files(restart))
-    )
-
-
-def _rank_path(path: str | Path, shard: Shard) -> Path:
-    """Return this rank's file: ``path`` on rank 0, ``stem.rank1.suffix`` on rank 1."""
-    return shard_path(path, shard.rank) if shard.rank else Path(path)
-
-
 def _rank_file(path: str | Path | None, shard: Shard) -> str | None:
-    """Return this rank's log (:func:`_rank_path`; ``"-"`` on rank 0 only)."""
+    """Return this rank's log (``"-"`` on rank 0 only; see ``restart.rank_path``)."""
     if path is None:
         return None
     if str(path) == "-":
         return "-" if shard.is_root else None
-    return str(_rank_path(path, shard))
+    return str(rank_path(path, shard))
 
 
 def _evaluated(

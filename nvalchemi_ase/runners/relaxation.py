@@ -6,7 +6,8 @@ state carried over) and the refill policy.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator
+import itertools
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,18 @@ from nvalchemi_ase.runners._common import (
     result_atoms,
 )
 from nvalchemi_ase.runners.budget import Budget
+from nvalchemi_ase.runners.restart import (
+    FINISHED_TAG,
+    FRAMES_TAG,
+    INDICES_TAG,
+    SERIES_LENGTHS_TAG,
+    SERIES_TAG,
+    STEPS_TAG,
+    RunStopped,
+    WorkingBatchRestart,
+    checkpoint_exists,
+    rank_path,
+)
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -65,6 +78,9 @@ def irelax(
     series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
     progress: bool | None = None,
     distributed: bool | None = None,
+    restart: str | Path | None = None,
+    restart_interval: int | None = None,
+    stop: Callable[[], bool] | None = None,
     **optimizer_kwargs: Any,
 ) -> Iterator[tuple[int, Atoms]]:
     """Relax many structures through a bounded working batch, yielding as each ends.
@@ -122,6 +138,22 @@ def irelax(
         Shard the structures across the ranks of a torch.distributed launch
         (``torchrun``); None: when launched so. See
         :mod:`nvalchemi_ase.runners.distributed`.
+    restart : str or path, optional
+        Checkpoint of the working batch (format
+        :mod:`nvalchemi_ase.dynamics.checkpoint`, runner bookkeeping as tags;
+        see :mod:`nvalchemi_ase.runners.restart`): written every
+        ``restart_interval`` batch steps and on a stop, removed once every
+        structure is written. If it exists, the run continues from it
+        (``resume=True`` implied): the structures in flight go on from their
+        checkpointed state instead of starting again. Under ``torchrun``, one
+        file per rank (``stem.rank<r>.npz`` on rank ``r > 0``).
+    restart_interval : int, optional
+        Batch steps between checkpoint writes (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
+    stop : callable, optional
+        Polled after every batch step between refills; when it returns True
+        the working batch writes its checkpoint (with ``restart``) and
+        :class:`~nvalchemi_ase.runners.RunStopped` is raised.
     **optimizer_kwargs
         Passed to the optimizer class (``dt``, ``maxstep``, ``memory``, ...);
         ``device`` and ``dtype`` build the calculator when ``model`` is not one.
@@ -134,6 +166,13 @@ def irelax(
         (eV/Å) and, when asked for, ``stress``; ``info`` ``converged`` (bool),
         ``steps`` (int: the structure's own steps; for a failure the step at
         which it failed), ``failure`` (None or the reason) and ``index``.
+
+    Raises
+    ------
+    RunStopped
+        When ``stop()`` returned True (its ``checkpoint`` is the file written).
+    CheckpointError
+        If ``restart`` exists but does not match the inputs and arguments.
     """
     if not fmax > 0:
         raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
@@ -141,7 +180,7 @@ def irelax(
         raise ValueError(f"steps must be >= 0, got {steps}")
     device = optimizer_kwargs.pop("device", None)
     dtype = optimizer_kwargs.pop("dtype", None)
-    for reserved in ("logfile", "model", "restart", "append_trajectory"):
+    for reserved in ("logfile", "model", "append_trajectory"):
         if reserved in optimizer_kwargs:
             raise TypeError(f"irelax() does not take {reserved}=")
     optimizer_class = _optimizer_class(optimizer)
@@ -154,9 +193,14 @@ def irelax(
         max_edges=max_edges,
         max_structures=max_structures,
         output=output,
-        resume=resume,
+        resume=resume or checkpoint_exists(restart),
         failures=failures,
     ) as run:
+        checkpoint = (
+            None
+            if restart is None
+            else WorkingBatchRestart(rank_path(restart, run.shard), restart_interval)
+        )
         yield from _relaxed(
             run,
             structures,
@@ -171,9 +215,13 @@ def irelax(
                 stress="stress" in checked_properties(properties, run.calc),
                 trajectory=trajectory,
                 series=series,
+                restart=checkpoint,
+                stop=stop,
             ),
             progress,
         )
+        if checkpoint is not None:
+            checkpoint.written()  # every structure written: a file left is stale
 
 
 def _relaxed(
@@ -221,9 +269,12 @@ def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]
     Returns
     -------
     list of ase.Atoms
-        One per input structure, in input order; with ``resume=True`` those
-        found in ``output`` are read back from it.
+        One per input structure, in input order; with ``resume=True`` (or a
+        ``restart`` file to continue from) those found in ``output`` are read
+        back from it.
     """
+    if checkpoint_exists(kwargs.get("restart")):
+        kwargs["resume"] = True  # as irelax() implies
     return in_input_order(irelax(structures, model, **kwargs), kwargs)
 
 
@@ -242,6 +293,7 @@ class _Queue:
         self._budget = budget
         self._admission = admission
         self._next: Slot | None = None
+        self._pending: list[tuple[int, Atoms]] = []
         self.refused: list[tuple[Slot, str]] = []
         self.exhausted = False
 
@@ -263,6 +315,42 @@ class _Queue:
                 continue
             self._next = slot
         return self._next
+
+    @property
+    def written(self) -> set[int]:
+        """Input indices already written (skipped at admission)."""
+        return self._skip
+
+    def collect(self, indices: list[int]) -> list[Slot]:
+        """Read the inputs up to the last of ``indices``; return theirs, in that order.
+
+        Used to rebuild a checkpointed working batch: those structures are
+        taken whether or not they are already written. Any other input read
+        on the way that is not written yet is kept for the next admissions.
+        """
+        from nvalchemi_ase.dynamics.checkpoint import CheckpointError
+
+        wanted = set(indices)
+        found: dict[int, Slot] = {}
+        while len(found) < len(wanted):
+            try:
+                index, atoms = next(self._source)
+            except StopIteration:
+                missing = sorted(wanted - set(found))
+                raise CheckpointError(
+                    f"the restart file holds input {missing[0]}, which the inputs "
+                    "do not have; continue with the inputs of the interrupted "
+                    "run, or remove the file to start afresh"
+                ) from None
+            if index in wanted:
+                working = atoms.copy()
+                found[index] = Slot(index, working, self._budget.cost(working))
+            elif index not in self._skip:
+                self._pending.append((index, atoms))
+        if self._pending:
+            self._source = itertools.chain(self._pending, self._source)
+            self._pending = []
+        return [found[index] for index in indices]
 
     def take(self) -> Slot:
         """Remove and return the structure :meth:`peek` showed."""
@@ -289,6 +377,8 @@ class _Runner:
         stress: bool = False,
         trajectory: str | None = None,
         series: dict[int, dict[str, npt.NDArray[np.float64]]] | None = None,
+        restart: WorkingBatchRestart | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         self.calc = calc
         self.optimizer_class = optimizer_class
@@ -305,6 +395,10 @@ class _Runner:
         self.opt: Any = None
         self._run: Generator[bool, None, None] | None = None
         self._survivors = 0
+        self.restart = restart
+        self.stop = stop
+        self._steps_since_checkpoint = 0
+        self._drop_finished = False  # continued: written ones leave at once
         #: Largest number of structures in flight so far.
         self.peak = 0
 
@@ -315,6 +409,9 @@ class _Runner:
 
     def run(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
         """Yield ``(index, result)`` for every input, in finish order."""
+        if self.restart is not None and self.restart.exists():
+            self._continue(queue, self.restart.tags())
+            yield from self._advance_until_refill(queue)
         while True:
             admitted = self._admit(queue)
             yield from self._refused(queue)
@@ -404,12 +501,112 @@ class _Runner:
         self.peak = max(self.peak, len(slots))
         self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
 
+    # -- checkpoint (restart=) and stop ----------------------------------------------
+
+    def _checkpoint_or_stop(self, *, stepped: bool) -> None:
+        """Write the periodic checkpoint when due; stop when ``stop()`` asks.
+
+        Called between refills only, when the batch is what the next step runs.
+        """
+        if self.restart is not None and stepped:
+            self._steps_since_checkpoint += 1
+            if self._steps_since_checkpoint >= self.restart.every:
+                self._write_checkpoint(self.restart)
+        if self.stop is None or not self.stop():
+            return
+        checkpoint = None
+        if self.restart is not None:
+            self._write_checkpoint(self.restart)
+            checkpoint = self.restart.path
+        raise RunStopped(
+            int(self.opt.nsteps),
+            checkpoint,
+            [s.index for s, d in zip(self.slots, self.finished, strict=True) if not d],
+        )
+
+    def _write_checkpoint(self, restart: WorkingBatchRestart) -> None:
+        restart.write(self.opt, self._tags())
+        self._steps_since_checkpoint = 0
+
+    def _tags(self) -> dict[str, npt.NDArray[Any]]:
+        """Return the runner's bookkeeping of every structure in the batch."""
+        series = [slot.series for slot in self.slots]
+        tags = {
+            INDICES_TAG: np.array([s.index for s in self.slots], dtype=np.int64),
+            STEPS_TAG: np.array([s.steps for s in self.slots], dtype=np.int64),
+            FINISHED_TAG: self.finished.copy(),
+            FRAMES_TAG: np.array(
+                [-1 if s.trajectory is None else len(s.trajectory) for s in self.slots],
+                dtype=np.int64,
+            ),
+        }
+        if self.series is not None:
+            tags[SERIES_LENGTHS_TAG] = np.array(
+                [-1 if rows is None else len(rows) for rows in series], dtype=np.int64
+            )
+            rows = [row for rows in series if rows for row in rows]
+            tags[SERIES_TAG] = np.array(rows, dtype=np.float64).reshape(-1, 2)
+        return tags
+
+    def _continue(self, queue: _Queue, tags: dict[str, npt.NDArray[Any]]) -> None:
+        """Rebuild the checkpointed working batch; its optimizer continues the file."""
+        from ase.io.trajectory import Trajectory
+
+        from nvalchemi_ase.dynamics.trajectory import expand_template, truncate
+
+        indices = [int(i) for i in tags[INDICES_TAG]]
+        slots = queue.collect(indices)
+        finished = tags[FINISHED_TAG].astype(bool)
+        written = np.array([slot.index in queue.written for slot in slots])
+        kwargs = dict(self.optimizer_kwargs)
+        lengths = tags.get(SERIES_LENGTHS_TAG)
+        rows = iter(tags.get(SERIES_TAG, np.zeros((0, 2))))
+        for position, slot in enumerate(slots):
+            slot.atoms.calc = self.calc
+            slot.steps = int(tags[STEPS_TAG][position])
+            if lengths is not None and lengths[position] >= 0:
+                slot.series = [
+                    (float(e), float(f))
+                    for e, f in itertools.islice(rows, int(lengths[position]))
+                ]
+        if self.trajectory is not None:
+            frames = tags[FRAMES_TAG]
+            for position, slot in enumerate(slots):
+                path = Path(expand_template(self.trajectory, slot.index, "trajectory"))
+                if frames[position] >= 0 and not written[position]:
+                    truncate(path, int(frames[position]))  # frames after it repeat
+                    slot.trajectory = Trajectory(path, "a")
+            kwargs["trajectory"] = [
+                slot.trajectory if slot.trajectory is not None else _Discard()
+                for slot in slots
+            ]
+        images = [
+            slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
+            for slot in slots
+        ]
+        with quiet_failures(), naming_inputs(indices):
+            opt = self.optimizer_class(
+                images,
+                logfile=None,
+                progress=False,
+                restart=self.restart.path if self.restart is not None else None,
+                **kwargs,
+            )
+        opt.restart = None  # the runner writes its checkpoints itself
+        self.opt, self.slots = opt, slots
+        self._survivors = len(slots)  # the first evaluation steps nobody
+        self.finished = finished | written
+        self._drop_finished = bool((written & ~finished).any())
+        self.peak = max(self.peak, len(slots))
+        self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
+
     # -- stepping -----------------------------------------------------------------
 
     def _advance_until_refill(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
         moving = np.ones(len(self.slots), dtype=bool)
         first = True
         while True:
+            first_call = first
             with quiet_failures(), naming_inputs([s.index for s in self.slots]):
                 self._step()
                 if first:  # the initial evaluation: step 0 of the admitted only
@@ -437,6 +634,7 @@ class _Runner:
             yield from done
             if refill:
                 return
+            self._checkpoint_or_stop(stepped=not first_call)
 
     def _step(self) -> None:
         """One optimizer step (the first call: the initial evaluation)."""
@@ -460,7 +658,8 @@ class _Runner:
         """Whether to rebuild now: see the module docstring's refill policy."""
         if not self.finished.any():
             return False
-        if not (~self.finished).any():
+        if not (~self.finished).any() or self._drop_finished:
+            self._drop_finished = False
             return True
         if self.cell_filter is not None:
             return False  # the batch finishes together (same step limit)
@@ -506,6 +705,26 @@ class _Runner:
                 atoms = result_atoms(slot, result, converged=bool(converged[position]))
             done.append((slot.index, atoms))
         return done
+
+
+class _Discard:
+    """A trajectory target that is never written: a continued batch's finished slots.
+
+    Their files are complete; an optimizer writes no frame to a structure
+    that converged or failed, nor frame 0 into a target that has frames.
+    """
+
+    def __len__(self) -> int:
+        return 1
+
+    def write(self, atoms: Any) -> None:
+        raise RuntimeError("a finished structure's trajectory is complete")
+
+    def set_description(self, description: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:

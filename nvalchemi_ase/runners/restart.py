@@ -1,4 +1,7 @@
-"""The MD chunk in flight: its checkpoint (``restart=``) and a stop at a step boundary.
+"""The work in flight: its checkpoint (``restart=``) and a stop at a step boundary.
+
+MD (:class:`ChunkRestart`)
+--------------------------
 
 :func:`~nvalchemi_ase.runners.imd` with ``restart=PATH`` has the chunk in
 flight write ``PATH`` (the format of :mod:`nvalchemi_ase.dynamics.checkpoint`,
@@ -17,6 +20,28 @@ killed between writing the results and removing the file) is removed and the
 next chunk starts afresh; a file written for another chunk (other inputs or
 other batching options) or not by a runner is refused with a
 :class:`~nvalchemi_ase.dynamics.checkpoint.CheckpointError`.
+
+Relaxation (:class:`WorkingBatchRestart`)
+-----------------------------------------
+:func:`~nvalchemi_ase.runners.irelax` with ``restart=PATH`` writes the
+optimizer's checkpoint of its whole working batch (structures that finished
+and wait for the next refill included) every ``restart_interval`` batch steps
+and when ``stop()`` asks for a stop, with the runner's own bookkeeping as tags:
+the input index, own step count, finished flag, trajectory frame count and
+plot series of every structure in it. The file is written only between
+refills, when the batch is exactly what the next step will run, and removed
+once every structure is written. A run that finds ``PATH`` continues
+(``resume=True`` implied): the structures of the checkpoint are taken from the
+inputs again (by index), the optimizer continues from the file (the
+dynamics classes' exact ``restart=``: engine state, neighbour lists,
+counters), each structure's trajectory is cut back to the frames the
+checkpoint counted and appended to, and the refills go on from there. So a run
+stopped by ``stop()`` and continued ends bit for bit as the uninterrupted run.
+After a kill, structures that finished after the last checkpoint are already
+in ``output``: they are dropped at the first refill and not written again, and
+the batch goes on without them (every structure's path is its own, so the
+others end as they would have; with models whose batched sums depend on the
+batch's composition, to rounding).
 """
 
 from __future__ import annotations
@@ -29,10 +54,28 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["INDICES_TAG", "ChunkRestart", "RunStopped"]
+from nvalchemi_ase.runners.distributed import Shard, shard_files, shard_path
+
+__all__ = [
+    "INDICES_TAG",
+    "ChunkRestart",
+    "RunStopped",
+    "WorkingBatchRestart",
+    "checkpoint_exists",
+    "rank_path",
+]
 
 #: Checkpoint tag (``extra/tag/<name>``) holding the chunk's input indices.
 INDICES_TAG = "input_indices"
+#: Relaxation tags: each structure's own steps, finished flag, trajectory
+#: frames (-1: none) and plot series ((E/atom, fmax) rows, concatenated, with
+#: their lengths; -1: none).
+STEPS_TAG = "steps"
+FINISHED_TAG = "finished"
+FRAMES_TAG = "trajectory_frames"
+SERIES_TAG = "series"
+SERIES_LENGTHS_TAG = "series_lengths"
+_WORKING_BATCH_TAGS = (INDICES_TAG, STEPS_TAG, FINISHED_TAG, FRAMES_TAG)
 
 
 class RunStopped(Exception):  # noqa: N818 (a stop asked for, not an error)
@@ -147,6 +190,91 @@ class ChunkRestart:
     def written(self) -> None:
         """Remove the file: its chunk's results are all written."""
         self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class WorkingBatchRestart:
+    """The checkpoint file of the relaxation runner's working batch.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+        The file (its directory is created at the first write).
+    interval : int or None
+        Batch steps between periodic writes (None: the dynamics classes'
+        default, :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
+    """
+
+    path: Path
+    interval: int | None = None
+
+    @property
+    def every(self) -> int:
+        """Batch steps between periodic writes."""
+        from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL
+
+        interval = DEFAULT_RESTART_INTERVAL if self.interval is None else self.interval
+        if interval < 1:
+            raise ValueError(f"restart_interval must be >= 1 (steps), got {interval}")
+        return int(interval)
+
+    def exists(self) -> bool:
+        """Whether a checkpoint is there to continue from."""
+        return self.path.exists()
+
+    def tags(self) -> dict[str, npt.NDArray[Any]]:
+        """Read the runner's tags of the saved working batch.
+
+        Returns
+        -------
+        dict of numpy.ndarray
+            :data:`INDICES_TAG`, :data:`STEPS_TAG`, :data:`FINISHED_TAG`,
+            :data:`FRAMES_TAG` (each (B,)) and, when a series was kept,
+            :data:`SERIES_TAG` (rows, 2) and :data:`SERIES_LENGTHS_TAG` (B,).
+
+        Raises
+        ------
+        CheckpointError
+            If the file is damaged, or was not written by a relaxation runner.
+        """
+        from nvalchemi_ase.dynamics.checkpoint import CheckpointError, read_checkpoint
+
+        saved = read_checkpoint(self.path).group("extra")
+        tags = {
+            key.removeprefix("tag/"): value
+            for key, value in saved.items()
+            if key.startswith("tag/")
+        }
+        missing = [name for name in _WORKING_BATCH_TAGS if name not in tags]
+        if missing:
+            raise CheckpointError(
+                f"restart file {self.path} was not written by a relaxation runner "
+                f"(it has no 'extra/tag/{missing[0]}' entry); remove it or give "
+                "another restart path"
+            )
+        return tags
+
+    def write(self, opt: Any, tags: dict[str, npt.NDArray[Any]]) -> None:
+        """Write ``opt``'s checkpoint with the runner's ``tags`` (atomically)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        opt.checkpoint_tags = tags
+        opt.write_checkpoint(self.path)
+
+    def written(self) -> None:
+        """Remove the file: every structure it held is written."""
+        self.path.unlink(missing_ok=True)
+
+
+def checkpoint_exists(restart: str | Path | None) -> bool:
+    """Whether a checkpoint (of any rank) is there to continue from."""
+    return restart is not None and (
+        Path(restart).exists() or bool(shard_files(restart))
+    )
+
+
+def rank_path(path: str | Path, shard: Shard) -> Path:
+    """Return this rank's file: ``path`` on rank 0, ``stem.rank1.suffix`` on rank 1."""
+    return shard_path(path, shard.rank) if shard.rank else Path(path)
 
 
 def _span(indices: Sequence[int]) -> str:
