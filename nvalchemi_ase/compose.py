@@ -312,10 +312,11 @@ class RelaxThenMD(BatchedDynamics):
         if not logfile:
             return
         log = open_log(logfile)
-        log.write(
-            "%-9s %6s %6s %6s %12s %8s\n"
-            % ("Time[ps]", "relax", "md", "done", "Epot/N[eV]", "T_md[K]")
-        )
+        if not self._continuing_logs:  # a continued run: the header is there
+            log.write(
+                "%-9s %6s %6s %6s %12s %8s\n"
+                % ("Time[ps]", "relax", "md", "done", "Epot/N[eV]", "T_md[K]")
+            )
         self.attach(internal(self._write_log), self.loginterval, log)
 
     def _write_log(self, log: Any) -> None:

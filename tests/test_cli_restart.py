@@ -70,6 +70,8 @@ def _assert_same_md_outputs(ours: Path, reference: Path) -> None:
             np.testing.assert_array_equal(a.get_momenta(), b.get_momenta())
             np.testing.assert_array_equal(a.get_forces(), b.get_forces())
             assert a.get_potential_energy() == b.get_potential_energy()
+    # the continued batch logs neither its header nor a step twice
+    assert (ours / "md.log").read_text() == (reference / "md.log").read_text()
     assert not list(ours.glob("*.partial.*"))
     assert not (ours / "checkpoint.npz").exists()
 

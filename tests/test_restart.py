@@ -253,6 +253,30 @@ def test_restart_continues_bit_for_bit(name, tmp_path, lj_calc64):
         assert second.get_time() == pytest.approx(2 * steps * DT)
 
 
+def test_fire_downhill_check_keeps_the_positions_it_would_go_back_to(
+    tmp_path, lj_calc64
+):
+    """ASE's FIRE restart forgets them; here the first step after it can go back."""
+    path = tmp_path / "fire.npz"
+
+    def make(**kwargs):
+        return FIRE(
+            _structures(lj_calc64),
+            logfile=None,
+            downhill_check=True,
+            maxstep=0.4,
+            **kwargs,
+        )
+
+    first = make(restart=path)
+    first.run(fmax=1e-9, steps=12)
+    second = make(restart=path)
+    for name in ("previous_positions", "previous_cell"):
+        saved = getattr(first.engine, name)
+        assert saved is not None
+        np.testing.assert_array_equal(getattr(second.engine, name), saved)
+
+
 def test_optimizer_continues_with_structures_already_converged(tmp_path, lj_calc64):
     """Per-structure convergence: the small cell converges before the checkpoint."""
 
@@ -730,6 +754,72 @@ def test_frames_written_after_the_checkpoint_by_a_killed_run_are_dropped(
         assert len(parts) == len(whole) == 31
         for expected, frame in zip(whole, parts, strict=True):
             np.testing.assert_array_equal(frame.positions, expected.positions)
+
+
+# -- logs -----------------------------------------------------------------------------
+
+
+def _md_log(count, template=False):
+    def make(images, log, **kwargs):
+        log = log + "_{i}" if template else log
+        return VelocityVerlet(images[:count], DT, logfile=log, **kwargs)
+
+    return make
+
+
+def _fire_log(count):
+    def make(images, log, **kwargs):
+        return FIRE(images[:count], logfile=log, **kwargs)
+
+    return make
+
+
+# name -> (factory(images, logfile, **kwargs), run arguments, wall-clock column)
+LOGS = {
+    "md-batch": (_md_log(3), {}, None),
+    "md-one": (_md_log(1), {}, None),
+    "md-template": (_md_log(3, template=True), {}, None),
+    "fire-batch": (_fire_log(3), {"fmax": 1e-9}, 2),
+    "fire-one": (_fire_log(1), {"fmax": 1e-9}, 2),
+}
+
+
+def _log_texts(base: Path, clock_column: int | None) -> list[str]:
+    """The text of a run's log file(s), the wall-clock column blanked."""
+    texts = []
+    for path in sorted(base.parent.glob(base.name + "*")):
+        lines = path.read_text().splitlines()
+        if clock_column is not None:
+            lines = [
+                " ".join(
+                    "-" if number == clock_column else word
+                    for number, word in enumerate(line.split())
+                )
+                for line in lines
+            ]
+        texts.append("\n".join(lines))
+    assert texts
+    return texts
+
+
+@pytest.mark.parametrize("name", sorted(LOGS))
+def test_logs_continue_without_repeated_header_or_lines(name, tmp_path, lj_calc64):
+    """Checkpoint at 10, logged to 15, killed: the continued log is the whole run's."""
+    make, run, clock = LOGS[name]
+    whole_log, parts_log = str(tmp_path / "whole.log"), str(tmp_path / "parts.log")
+    make(_structures(lj_calc64), whole_log).run(steps=25, **run)
+    path = tmp_path / "ck.npz"
+    first = make(_structures(lj_calc64), parts_log, restart=path, restart_interval=5)
+    first.run(steps=10, **run)
+    at_10 = path.read_bytes()
+    first.run(steps=5, **run)  # lines 11..15 are logged, then the job is killed ...
+    path.write_bytes(at_10)  # ... before the checkpoint of step 15
+    continued = make(_structures(lj_calc64), parts_log, restart=path)
+    assert continued.nsteps == 10
+    continued.run(steps=15, **run)
+    whole = _log_texts(tmp_path / "whole.log", clock)
+    assert _log_texts(tmp_path / "parts.log", clock) == whole
+    assert sum(text.count("\n") + 1 for text in whole) >= 26  # header + 0..25
 
 
 def test_npt_checkpoint_with_another_barostat_chain_is_refused(tmp_path, lj_calc64):

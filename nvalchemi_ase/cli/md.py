@@ -37,9 +37,9 @@ script to requeue on). --restart continues: finished structures are kept (as
 structures and every trajectory frame are those of an uninterrupted run (a
 run killed without warning continues from its last periodic checkpoint, the
 frames written after it cut). On a fresh output folder --restart starts
-afresh, so a job script can always pass it. md.log gets its header again
-where a run continued, and --plot shows what this command ran (a continued
-batch from its checkpoint on).
+afresh, so a job script can always pass it. md.log continues too (no header
+or line twice: lines logged after the checkpoint are cut), and --plot shows
+what this command ran (a continued batch from its checkpoint on).
 """
 
 from __future__ import annotations

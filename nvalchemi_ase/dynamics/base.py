@@ -58,7 +58,7 @@ from nvalchemi_ase.dynamics.images import (
     resolve_images,
     resolve_model_setup,
 )
-from nvalchemi_ase.dynamics.logs import internal
+from nvalchemi_ase.dynamics.logs import internal, log_paths
 from nvalchemi_ase.dynamics.neighbors import is_neighbor_hook, neighbor_hooks
 from nvalchemi_ase.dynamics.observers import (
     StageObserverHook,
@@ -148,7 +148,10 @@ class BatchedDynamics(AseBaseDynamics):
         holds the frames of one uninterrupted run (ASE's MD restarted from
         its last frame writes that frame twice); frames a killed run wrote
         after its last checkpoint are cut from the files first (each ``.traj``
-        file is rewritten with the frames the checkpoint counted).
+        file is rewritten with the frames the checkpoint counted). Log files
+        given by path continue the same way: no header again, and lines
+        logged after the checkpoint cut (the file is truncated to its size
+        at the checkpoint).
     restart_interval : int, optional
         Steps between checkpoint writes (default
         :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`,
@@ -245,6 +248,10 @@ class BatchedDynamics(AseBaseDynamics):
                 internal(self._write_trajectories, needs_stress=True),
                 interval=loginterval,
             )
+        #: Log files this object appends to; a continued run cuts them back
+        #: to their size at the checkpoint and writes no header again.
+        self._log_paths = log_paths(logfile, len(atoms_list))
+        self._continuing_logs = restart is not None and os.path.exists(restart)
         self._setup_logging(logfile)
         self._setup_restart(restart, restart_interval)
 
@@ -878,6 +885,10 @@ class BatchedDynamics(AseBaseDynamics):
     def _checkpoint_extras(self) -> dict[str, npt.NDArray[Any]]:
         """Class-specific arrays a checkpoint keeps (subclasses extend)."""
         extras = {"frame_steps": self._frame_steps.copy()}
+        if self._log_paths:  # every writer has flushed: lines up to this step
+            extras["log_sizes"] = np.array(
+                [_file_size(path) for path in self._log_paths], dtype=np.int64
+            )
         for name, value in self.checkpoint_tags.items():
             extras[f"tag/{name}"] = np.asarray(value)
         if self._trajectory_frames0 is not None:
@@ -891,6 +902,11 @@ class BatchedDynamics(AseBaseDynamics):
         """Take back what :meth:`_checkpoint_extras` saved (subclasses extend)."""
         if "frame_steps" in extras:
             self._frame_steps = extras["frame_steps"].astype(np.int64)
+        sizes = extras.get("log_sizes")
+        if sizes is not None and len(sizes) == len(self._log_paths):
+            for path, size in zip(self._log_paths, sizes, strict=True):
+                # lines a killed run logged after this checkpoint would repeat
+                _cut_file(path, int(size))
         if "trajectory_frames" in extras and self.trajectories:
             # frames a killed run wrote after this checkpoint would repeat
             self.trajectories.truncate(extras["trajectory_frames"])
@@ -958,3 +974,14 @@ def _differs(atoms: Atoms, old: tuple[npt.NDArray[Any], ...], *, momenta: bool) 
     if not np.array_equal(atoms.numbers, numbers):
         return True
     return momenta and not np.array_equal(atoms.get_momenta(), old_momenta)
+
+
+def _file_size(path: str) -> int:
+    """Size of ``path`` in bytes (0 if it does not exist yet)."""
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def _cut_file(path: str, size: int) -> None:
+    """Truncate ``path`` to ``size`` bytes if it is longer (appending writers go on)."""
+    if os.path.exists(path) and os.path.getsize(path) > size:
+        os.truncate(path, size)

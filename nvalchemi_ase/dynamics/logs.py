@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ase.parallel import world
 
 from nvalchemi_ase.dynamics.trajectory import check_distinct_paths, expand_template
 
-__all__ = ["internal", "is_template", "open_log", "per_structure_targets"]
+__all__ = ["internal", "is_template", "log_paths", "open_log", "per_structure_targets"]
 
 
 def is_template(logfile: Any) -> bool:
@@ -57,6 +58,28 @@ def per_structure_targets(logfile: str, count: int) -> list[str]:
     paths = [expand_template(logfile, index, "logfile") for index in range(count)]
     check_distinct_paths([Path(path) for path in paths], "logfile")
     return paths
+
+
+def log_paths(logfile: Any, count: int) -> list[str]:
+    """Return the files a ``logfile`` argument makes a dynamics object append to.
+
+    Parameters
+    ----------
+    logfile : file, str, path or None
+        The argument (``"-"``, an open file and None name no file).
+    count : int
+        Number of structures B (for a ``{i}`` template).
+
+    Returns
+    -------
+    list of str
+        One path, B paths for a template, or none.
+    """
+    if logfile is None or logfile == "-" or not isinstance(logfile, str | PathLike):
+        return []
+    if is_template(logfile):
+        return per_structure_targets(str(logfile), count)
+    return [str(logfile)]
 
 
 def open_log(logfile: Any) -> Log:

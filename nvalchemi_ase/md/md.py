@@ -192,7 +192,11 @@ class BatchedMolecularDynamics(BatchedDynamics):
             self.attach(
                 self.closelater(
                     MDLogger(
-                        dyn=self, atoms=self.images[0], logfile=logfile, comm=world
+                        dyn=self,
+                        atoms=self.images[0],
+                        logfile=logfile,
+                        header=not self._continuing_logs,
+                        comm=world,
                     )
                 ),
                 self.loginterval,
@@ -206,12 +210,21 @@ class BatchedMolecularDynamics(BatchedDynamics):
             ):
                 self.attach(
                     self.closelater(
-                        MDLogger(dyn=self, atoms=atoms, logfile=path, comm=world)
+                        MDLogger(
+                            dyn=self,
+                            atoms=atoms,
+                            logfile=path,
+                            header=not self._continuing_logs,
+                            comm=world,
+                        )
                     ),
                     self.loginterval,
                 )
             return
         log = open_log(logfile)
+        if self._continuing_logs:  # a continued run: the header is there
+            self.attach(internal(self._write_batch_log), self.loginterval, log)
+            return
         log.write(
             "%-9s %12s %12s %12s  %8s %8s %8s\n"
             % (

@@ -463,7 +463,8 @@ class BatchedOptimizer(BatchedDynamics):
             done = self._update_convergence()
             if self.nsteps == 0:
                 self._moving[:] = True
-                self.log()
+                if self._fresh_start():  # a run continued at step 0 logged it
+                    self.log()
                 # ASE writes the initial frame only into an empty trajectory
                 # (no duplicate on a restart); here each structure's own file
                 fresh = (
