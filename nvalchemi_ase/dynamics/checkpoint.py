@@ -38,7 +38,9 @@ entry                             content
 ``failures/<field>``              (B,) failed flags, failure steps and reasons,
                                   reference volumes
 ``extra/<field>``                 class-specific: cell-filter alignment,
-                                  convergence flags, trajectory bookkeeping;
+                                  convergence flags, trajectory frame and log
+                                  file sizes, FIRE's ``downhill_check``
+                                  positions;
                                   the caller's ``checkpoint_tags`` as
                                   ``extra/tag/<name>`` (not compared)
 ================================  ==============================================

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
@@ -135,6 +136,27 @@ class FIRE(BatchedOptimizer):
         if self.position_reset_callback is not None:
             engine.reset_callback = self._call_position_reset_callback
         return engine
+
+    def _checkpoint_extras(self) -> dict[str, npt.NDArray[Any]]:
+        """Add, with ``downhill_check``, the positions and cells it goes back to."""
+        extras = super()._checkpoint_extras()
+        engine = self.engine
+        for name in ("previous_positions", "previous_cell"):
+            value = getattr(engine, name, None)
+            if self.downhill_check and value is not None:
+                extras[f"fire_{name}"] = value.detach().cpu().numpy().copy()
+        return extras
+
+    def _restore_checkpoint_extras(self, extras: dict[str, npt.NDArray[Any]]) -> None:
+        import torch
+
+        super()._restore_checkpoint_extras(extras)
+        device, dtype = self.batch.device, self.batch.positions.dtype
+        for name in ("previous_positions", "previous_cell"):
+            saved = extras.get(f"fire_{name}")
+            if self.downhill_check and saved is not None:
+                value = torch.as_tensor(saved, device=device).to(dtype)
+                setattr(self.engine, name, value)
 
     def _call_position_reset_callback(
         self, uphill: Any, previous: Any, energy: Any, last_energy: Any
