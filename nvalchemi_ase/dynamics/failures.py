@@ -529,8 +529,10 @@ def _displacements(batch: Batch, previous: torch.Tensor) -> torch.Tensor:
 
 
 def _volumes(batch: Batch) -> torch.Tensor:
+    """Cell volumes [B], Å³: |a · (b × c)| (LAPACK's det cost ~10× more here)."""
     cell = batch.cell.detach().reshape(-1, 3, 3).to(torch.float64)
-    return torch.linalg.det(cell).abs()
+    normal = torch.linalg.cross(cell[:, 0], cell[:, 1], dim=-1)
+    return (normal * cell[:, 2]).sum(dim=-1).abs()
 
 
 def _reason_text(code: int, limits: FailureLimits) -> str:
