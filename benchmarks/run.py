@@ -783,6 +783,9 @@ BENCHMARKS = {
         s, r
     ),
     "properties": lambda *a: importlib.import_module("benchmarks.properties").run(*a),
+    "properties-sevennet": lambda *a: importlib.import_module(
+        "benchmarks.properties"
+    ).run_sevennet(*a),
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
 }
 

@@ -22,6 +22,8 @@ SECTIONS = [
     "5. Scaling",
     "6. NEB: many paths",
     "6b. NEB on SevenNet-0",
+    "9a. Batched property workflows",
+    "9b. Batched property workflows",
 ]
 
 
