@@ -778,6 +778,7 @@ BENCHMARKS = {
     "scaling": scaling,
     "runners": lambda s, r: importlib.import_module("benchmarks.runners").run(s, r),
     "distributed": lambda *a: importlib.import_module("benchmarks.distributed").run(*a),
+    "memory": lambda *a: importlib.import_module("benchmarks.memory").run(*a),
     "neb": lambda s, r: importlib.import_module("benchmarks.neb").neb_paths(s, r),
     "neb-sevennet": lambda s, r: importlib.import_module("benchmarks.neb").neb_sevennet(
         s, r
