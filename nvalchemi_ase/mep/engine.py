@@ -29,7 +29,7 @@ from ase import Atoms
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.convert import atoms_to_batch, batch_field
+from nvalchemi_ase.convert import atoms_to_batch, batch_field, batch_results
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
+    "final_results",
     "fixed_atoms",
     "path_batch",
     "relax_idpp",
@@ -260,7 +261,39 @@ def run_neb(
     monitor.bind(engine)
     with model.narrowed_outputs({"energy", "forces"}):
         engine.run(batch, n_steps=steps)
-    return monitor.outcome(batch, engine.step_count)
+        final = final_results(model, batch)
+    return monitor.outcome(batch, engine.step_count, final)
+
+
+def final_results(model: BaseModelMixin, batch: Batch) -> list[dict[str, Any]]:
+    """Evaluate the model once more at the batch's positions: results per image.
+
+    The engine's batch keeps NEB forces, not the model's, so the model is
+    evaluated once more, on that batch as it stands: its neighbour list (the
+    skin-aware hook's, checked before the last evaluation, and positions have
+    not moved since) serves, so nothing is converted from ``Atoms`` or rebuilt.
+    Same numbers as ``NVAlchemiCalculator.calculate_batch`` on the final images.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The run's model, its outputs narrowed to energy and forces.
+    batch : nvalchemi.data.Batch
+        The batch after the run.
+
+    Returns
+    -------
+    list of dict
+        One ASE results dict per image (energy eV, forces eV/Å), in batch order.
+    """
+    with torch.set_grad_enabled(model.requires_autograd):
+        outputs = model(batch)
+    detached = {
+        key: value.detach()
+        for key, value in outputs.items()
+        if key in ("energy", "forces") and isinstance(value, torch.Tensor)
+    }
+    return batch_results(batch, detached)
 
 
 def _write_positions(

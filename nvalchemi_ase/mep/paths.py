@@ -318,23 +318,16 @@ def _check_path(index: int, path: Sequence[Atoms]) -> None:
 def _results(
     bands: list[list[Atoms]], calc: NVAlchemiCalculator, outcome: Any
 ) -> list[PathResult]:
-    """Evaluate the final images (one call) and build a result per path."""
-    healthy = [
-        image
-        for path, band in enumerate(bands)
-        if path not in outcome.failures
-        for image in band
-    ]
-    results = iter(
-        calc.calculate_batch(healthy, ("energy", "forces")) if healthy else []
-    )
+    """Store the final images' results (one model call on the engine's batch)."""
+    results = iter(outcome.results)
     out = []
     for path, band in enumerate(bands):
         failure = outcome.failures.get(path)
         for image in band:
+            result = next(results)
             image.calc = calc
             if failure is None:
-                calc.store_results(image, next(results))
+                calc.store_results(image, result)
         out.append(_path_result(path, band, outcome, failure))
     return out
 
