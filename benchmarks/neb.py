@@ -147,8 +147,8 @@ def neb_paths(settings: Settings, report: Report) -> None:
         "`NVAlchemiCalculator`, one path after another (one model call per "
         "interior image per step); batched: `nvalchemi_ase.mep.relax_paths` (one "
         "model call per step for every image of every path; nvalchemi's NEB "
-        "engine with its FIRE2). Steps: ASE's summed over paths, the batch's "
-        "longest path. Target ≥ 10×.",
+        "engine with its FIRE2, given ASE's FIRE defaults). Steps: ASE's summed "
+        "over paths, the batch's longest path. Target ≥ 10×.",
     )
 
 

@@ -302,6 +302,19 @@ def test_relax_paths_interpolates_idpp_and_reports_each_path(eight_paths, lj_cal
                 )
         energies = [image.get_potential_energy() for image in result.images]
         np.testing.assert_allclose(energies, result.energies, atol=1e-12)
+        # the stored results (the engine batch's last evaluation) are a fresh
+        # evaluation's of the final images
+        fresh = lj_calc64.calculate_batch(result.images)
+        np.testing.assert_allclose(
+            energies, [entry["energy"] for entry in fresh], rtol=0, atol=1e-10
+        )
+        for image, entry in zip(result.images, fresh, strict=True):
+            np.testing.assert_allclose(
+                image.get_forces(apply_constraint=False),
+                entry["forces"],
+                rtol=0,
+                atol=1e-10,
+            )
         assert 0 < result.highest_image < count - 1
         assert result.barrier_forward > 0.0
         assert result.barrier_reverse == pytest.approx(

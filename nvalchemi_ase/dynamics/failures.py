@@ -348,6 +348,16 @@ class FailureGuard:
         ]
 
     @property
+    def none_failed(self) -> bool:
+        """Whether the host knows that no structure has failed so far.
+
+        Only a CPU run keeps this on the host (its checks read a flag back);
+        on an accelerator it is always False, so a caller branching on it
+        never synchronises and falls back to its tensor-only path.
+        """
+        return self._host_branching and not self._any_failed
+
+    @property
     def known_mask(self) -> npt.NDArray[np.bool_]:
         """Structures whose failure has been read back, shape (B,) (a copy)."""
         return self._known.copy()

@@ -29,7 +29,7 @@ from ase import Atoms
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.convert import atoms_to_batch, batch_field
+from nvalchemi_ase.convert import atoms_to_batch, batch_field, batch_results
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
+    "final_results",
     "fixed_atoms",
     "path_batch",
     "relax_idpp",
@@ -48,6 +49,25 @@ __all__ = [
 
 #: ASE's ``idpp_interpolate`` defaults: force threshold (eV/Å) and step limit.
 IDPP_FMAX, IDPP_STEPS = 0.1, 100
+
+#: The engine's FIRE2 parameters by default: ``ase.optimize.FIRE``'s defaults under
+#: FIRE2's names (``dt``, ``dtmax`` -> ``tmax``, ``maxstep``, ``Nmin`` ->
+#: ``delaystep``, ``finc`` -> ``dtgrow``, ``fdec`` -> ``dtshrink``, ``astart`` ->
+#: ``alpha0``, ``fa`` -> ``alphashrink``; both are mass-free, so ``dt`` means the
+#: same). nvalchemi's NEB tuning (``dt`` 0.04, ``tmax`` 0.055, ``maxstep`` 0.1,
+#: ``delaystep`` 20, ...) takes about 2.6 times ASE's steps on the LJ paths of
+#: ``benchmarks/neb.py`` (31 against 12); these take 11, barriers as close to ASE's.
+#: ``tmin`` stays nvalchemi's NEB value (ASE's FIRE has no lower bound).
+ASE_FIRE_PARAMETERS = {
+    "dt": 0.1,
+    "tmax": 1.0,
+    "maxstep": 0.2,
+    "delaystep": 5,
+    "dtgrow": 1.1,
+    "dtshrink": 0.5,
+    "alpha0": 0.1,
+    "alphashrink": 0.99,
+}
 
 
 def path_batch(
@@ -209,7 +229,8 @@ def run_neb(
     failure_limits : FailureLimits, optional
         When an image counts as exploded (defaults of ``FailureLimits``).
     optimizer_kwargs : dict, optional
-        Passed to the engine's FIRE2 (nvalchemi's NEB-tuned defaults otherwise).
+        Passed to the engine's FIRE2, over :data:`ASE_FIRE_PARAMETERS` (ASE's
+        ``FIRE`` defaults); nvalchemi's NEB tuning fills the rest (``tmin``).
 
     Returns
     -------
@@ -234,13 +255,45 @@ def run_neb(
         neighbor_hooks=neighbor_hooks(model, DEFAULT_SKIN),
         extra_hooks=monitor.hooks(),
         fixed_atom_indices=fixed_atoms(bands) or None,
-        optimizer_kwargs=dict(optimizer_kwargs or {}),
+        optimizer_kwargs={**ASE_FIRE_PARAMETERS, **(optimizer_kwargs or {})},
     )
     engine = strategy.build_engine()
     monitor.bind(engine)
     with model.narrowed_outputs({"energy", "forces"}):
         engine.run(batch, n_steps=steps)
-    return monitor.outcome(batch, engine.step_count)
+        final = final_results(model, batch)
+    return monitor.outcome(batch, engine.step_count, final)
+
+
+def final_results(model: BaseModelMixin, batch: Batch) -> list[dict[str, Any]]:
+    """Evaluate the model once more at the batch's positions: results per image.
+
+    The engine's batch keeps NEB forces, not the model's, so the model is
+    evaluated once more, on that batch as it stands: its neighbour list (the
+    skin-aware hook's, checked before the last evaluation, and positions have
+    not moved since) serves, so nothing is converted from ``Atoms`` or rebuilt.
+    Same numbers as ``NVAlchemiCalculator.calculate_batch`` on the final images.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The run's model, its outputs narrowed to energy and forces.
+    batch : nvalchemi.data.Batch
+        The batch after the run.
+
+    Returns
+    -------
+    list of dict
+        One ASE results dict per image (energy eV, forces eV/Å), in batch order.
+    """
+    with torch.set_grad_enabled(model.requires_autograd):
+        outputs = model(batch)
+    detached = {
+        key: value.detach()
+        for key, value in outputs.items()
+        if key in ("energy", "forces") and isinstance(value, torch.Tensor)
+    }
+    return batch_results(batch, detached)
 
 
 def _write_positions(

@@ -78,6 +78,9 @@ class EngineOutcome:
         Per path, shape (P,): largest NEB force norm at the end, eV/Å.
     failures : dict of int to PathFailure
         Failed paths by index.
+    results : list of dict
+        The model's ASE results (energy, forces) at the final positions of every
+        image, in input order (those of failed paths are not to be used).
     """
 
     positions: list[npt.NDArray[np.float64]]
@@ -85,6 +88,7 @@ class EngineOutcome:
     steps: npt.NDArray[np.int64]
     fmax: npt.NDArray[np.float64]
     failures: dict[int, PathFailure]
+    results: list[dict[str, Any]]
 
 
 class _StageHook:
@@ -159,7 +163,13 @@ class PathMonitor:
         self._step = int(ctx.step_count) + 1
 
     def _stop_failed_paths(self, ctx: Any) -> None:
-        """Every image of a path with a failed image leaves the run, forces zeroed."""
+        """Every image of a path with a failed image leaves the run, forces zeroed.
+
+        Nothing to do while the guard knows on the host that nothing failed (a
+        CPU run; on an accelerator this runs in full, without a sync).
+        """
+        if self.guard.none_failed:
+            return
         batch = ctx.batch
         with torch.no_grad():
             count = torch.zeros(self.num_paths, dtype=torch.long, device=batch.device)
@@ -185,7 +195,9 @@ class PathMonitor:
                 torch.where(first & ~self.path_failed, self._step, self.graduated_at)
             )
 
-    def outcome(self, batch: Batch, total_steps: int) -> EngineOutcome:
+    def outcome(
+        self, batch: Batch, total_steps: int, results: list[dict[str, Any]]
+    ) -> EngineOutcome:
         """Read the run's results back to the host, once.
 
         Parameters
@@ -194,6 +206,8 @@ class PathMonitor:
             The batch after the run.
         total_steps : int
             Steps the engine ran (for paths that neither converged nor failed).
+        results : list of dict
+            The model's results at the final positions, one per image.
 
         Returns
         -------
@@ -214,6 +228,7 @@ class PathMonitor:
             steps=steps,
             fmax=fmax,
             failures=failures,
+            results=results,
         )
 
     def _failures(self) -> dict[int, PathFailure]:

@@ -12,9 +12,11 @@ skin-aware neighbour list, convergence steps, one cell per path for molecules
 and slabs); what it lacks and is not added: ASE's other NEB methods
 (``aseneb``, ``eb``, ``spline``, ``string``: use :class:`nvalchemi_ase.mep.NEB`
 with an ASE optimizer for those) and ASE's optimizers (the engine runs a
-group-aware FIRE2 tuned for NEB, so a path differs from ASE's ``FIRE(neb)``
-step by step, while converged barriers agree to the accuracy ``fmax`` allows:
-within 4e-4 eV at fmax 0.01 eV/Å on the LJ argon paths of the tests).
+group-aware FIRE2, given ``ase.optimize.FIRE``'s default parameters, see
+:data:`~nvalchemi_ase.mep.engine.ASE_FIRE_PARAMETERS`, so a path differs from
+ASE's ``FIRE(neb)`` step by step but takes about as many steps, while converged
+barriers agree to the accuracy ``fmax`` allows: within 6e-4 eV at fmax 0.01 eV/Å
+on the LJ argon paths of the tests, 26-27 steps against ASE's 27-30).
 """
 
 from __future__ import annotations
@@ -151,7 +153,11 @@ def relax_paths(
         When an image counts as exploded; a path with such an image stops and
         is reported failed while the others go on.
     optimizer_kwargs : dict, optional
-        Options of the engine's FIRE2 (e.g. ``{"maxstep": 0.05}``, Å).
+        Options of the engine's FIRE2 (e.g. ``{"maxstep": 0.05}``, Å), over
+        ASE's ``FIRE`` defaults (``dt`` 0.1, ``tmax`` 1.0, ``maxstep`` 0.2 Å,
+        ...: :data:`~nvalchemi_ase.mep.engine.ASE_FIRE_PARAMETERS`); nvalchemi's
+        NEB tuning is ``{"dt": 0.04, "tmax": 0.055, "maxstep": 0.1,
+        "delaystep": 20, "alpha0": 0.25}``.
 
     Returns
     -------
@@ -312,23 +318,16 @@ def _check_path(index: int, path: Sequence[Atoms]) -> None:
 def _results(
     bands: list[list[Atoms]], calc: NVAlchemiCalculator, outcome: Any
 ) -> list[PathResult]:
-    """Evaluate the final images (one call) and build a result per path."""
-    healthy = [
-        image
-        for path, band in enumerate(bands)
-        if path not in outcome.failures
-        for image in band
-    ]
-    results = iter(
-        calc.calculate_batch(healthy, ("energy", "forces")) if healthy else []
-    )
+    """Store the final images' results (one model call on the engine's batch)."""
+    results = iter(outcome.results)
     out = []
     for path, band in enumerate(bands):
         failure = outcome.failures.get(path)
         for image in band:
+            result = next(results)
             image.calc = calc
             if failure is None:
-                calc.store_results(image, next(results))
+                calc.store_results(image, result)
         out.append(_path_result(path, band, outcome, failure))
     return out
 
