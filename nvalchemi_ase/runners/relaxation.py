@@ -478,7 +478,9 @@ class _Runner:
         converged: npt.NDArray[np.bool_],
         failed: npt.NDArray[np.bool_],
     ) -> list[tuple[int, Atoms]]:
-        self.opt.sync_atoms()
+        ending = np.zeros(len(self.slots), dtype=bool)
+        ending[positions] = True
+        self.opt.sync_structures(ending)  # the others are written at the refill
         reasons = {f.index: f.reason for f in self.opt.failures}
         slots = [self.slots[position] for position in positions]
         results = final_values(
@@ -513,9 +515,11 @@ def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
     import torch
 
     from nvalchemi_ase._compat import carry_engine_state
+    from nvalchemi_ase.dynamics.neighbors import carry_neighbor_capacity
 
     remaining = torch.as_tensor(keep, dtype=torch.long, device=previous.batch.device)
     carry_engine_state(previous.engine, opt.engine, remaining, n_new, opt.batch)
+    carry_neighbor_capacity(previous.engine.hooks, opt.engine.hooks)
     if not keep:
         return
     pointer = previous.batch.batch_ptr.cpu().numpy()
