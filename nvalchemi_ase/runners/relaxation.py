@@ -228,7 +228,12 @@ def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]
 
 
 class _Queue:
-    """Inputs read lazily, one ahead; skipped and refused ones sorted out."""
+    """Inputs read lazily, one ahead; skipped and refused ones sorted out.
+
+    :meth:`peek` refuses a structure too large for the budget at once; the
+    model's checks (:class:`Admission`) run in :meth:`admissible`, over all
+    the structures a refill takes together.
+    """
 
     def __init__(
         self,
@@ -257,7 +262,7 @@ class _Queue:
                 continue
             working = atoms.copy()
             slot = Slot(index, working, self._budget.cost(working))
-            reason = self._budget.refusal(slot.cost) or self._admission(working)
+            reason = self._budget.refusal(slot.cost)
             if reason is not None:
                 self.refused.append((slot, reason))
                 continue
@@ -271,6 +276,14 @@ class _Queue:
             raise IndexError("no structure left")
         self._next = None
         return slot
+
+    def admissible(self, slots: list[Slot]) -> list[Slot]:
+        """Return the ``slots`` the model can run; the others go to ``refused``."""
+        reasons = self._admission.refusals([slot.atoms for slot in slots])
+        for slot, reason in zip(slots, reasons, strict=True):
+            if reason is not None:
+                self.refused.append((slot, reason))
+        return [slot for slot, reason in zip(slots, reasons, strict=True) if not reason]
 
 
 class _Runner:
@@ -352,12 +365,21 @@ class _Runner:
         if self.cell_filter is not None and used.any():
             return []  # variable cell: the whole batch finishes first
         admitted: list[Slot] = []
-        while (slot := queue.peek()) is not None and (
-            self.budget.fits(used, slot.cost) or (not admitted and not used.any())
-        ):
-            admitted.append(queue.take())
-            used = used + slot.cost
-        return admitted
+        while True:  # again while refusals free room
+            taken: list[Slot] = []
+            while (slot := queue.peek()) is not None and (
+                self.budget.fits(used, slot.cost)
+                or (not admitted and not taken and not used.any())
+            ):
+                taken.append(queue.take())
+                used = used + slot.cost
+            if not taken:
+                return admitted
+            runnable = queue.admissible(taken)
+            admitted += runnable
+            if len(runnable) == len(taken):
+                return admitted
+            used = self._used() + sum((s.cost for s in admitted), np.zeros(4))
 
     def _refused(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
         while queue.refused:
