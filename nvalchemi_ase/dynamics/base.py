@@ -432,7 +432,9 @@ class BatchedDynamics(AseBaseDynamics):
         self._synced_nsteps = self.nsteps
         self._absorb_failures()
 
-    def sync_structures(self, selected: npt.NDArray[np.bool_]) -> None:
+    def sync_structures(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
         """Copy the state and results of the ``selected`` structures only.
 
         :meth:`sync_atoms` for a subset: the other ``Atoms`` are not touched
@@ -444,16 +446,21 @@ class BatchedDynamics(AseBaseDynamics):
         ----------
         selected : numpy.ndarray, shape (B,), bool
             The structures to write.
+        results : bool
+            Also give their calculators the batch's results (False: positions,
+            cells and momenta only, for structures about to be evaluated anew).
         """
         selected = np.asarray(selected, dtype=bool)
-        if selected.all():
+        if selected.all() and results:
             self.sync_atoms()
             return
         self._absorb_failures(raise_now=False)
-        self._write_back(selected)
+        self._write_back(selected, results=results)
         self._absorb_failures()
 
-    def _write_back(self, selected: npt.NDArray[np.bool_]) -> None:
+    def _write_back(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
         """Write the batch into the ``Atoms`` of the ``selected`` structures."""
         keep = np.flatnonzero(selected)
         if not keep.size:
@@ -465,7 +472,7 @@ class BatchedDynamics(AseBaseDynamics):
         update_atoms(
             self.images,
             self.batch,
-            results=True,
+            results=results,
             momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
             stress=self._stress_step == self.nsteps,
             rotation=rotation,

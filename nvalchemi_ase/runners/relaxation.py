@@ -401,6 +401,8 @@ class _Runner:
             [position for position, done in enumerate(self.finished) if not done],
         )
         if self._run is not None:
+            # survivors' positions for the new batch; it evaluates them anew
+            previous.sync_structures(~self.finished, results=False)
             self._run.close()
             self._run = None
         slots = [*survivors, *admitted]
