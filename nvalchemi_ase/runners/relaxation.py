@@ -401,8 +401,9 @@ class _Runner:
             [position for position, done in enumerate(self.finished) if not done],
         )
         if self._run is not None:
-            # survivors' positions for the new batch; it evaluates them anew
-            previous.sync_structures(~self.finished, results=False)
+            # survivors' positions for the new batch, which evaluates them anew;
+            # the finished ones were written (with results) when they finished
+            previous.sync_structures(np.ones(len(self.slots), bool), results=False)
             self._run.close()
             self._run = None
         slots = [*survivors, *admitted]
