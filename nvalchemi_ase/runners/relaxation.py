@@ -46,7 +46,8 @@ OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS", "MDMin")
 #: finished structures' atoms, summed over the steps they sat frozen in the
 #: batch, reach this many batches' atoms (see the module docstring). Measured
 #: for LJ argon, 4096 atoms, on a CPU: a refill (engine build, neighbour list,
-#: first evaluation, write-back) ≈ 50 ms, a step ≈ 8 ms.
+#: first evaluation, write-back) ≈ 55 ms, a step ≈ 7 ms (docs/performance.md,
+#: section 9).
 _REFILL_STEPS = 6.0
 
 
