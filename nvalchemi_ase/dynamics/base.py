@@ -440,7 +440,8 @@ class BatchedDynamics(AseBaseDynamics):
         :meth:`sync_atoms` for a subset: the other ``Atoms`` are not touched
         (a runner writes back the structures that finished, not the whole
         batch). A structure written at the current step is not written again
-        when the run ends.
+        when the run ends (after ``results=False`` its calculator keeps the
+        results it had).
 
         Parameters
         ----------
