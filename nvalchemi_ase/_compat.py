@@ -39,6 +39,7 @@ __all__ = [
     "load_neighbor_hook_state",
     "make_state_batch",
     "masked_pre_update",
+    "neighbor_hook_capacity",
     "neighbor_hook_reference",
     "neighbor_hook_state",
     "npt_operators",
@@ -46,6 +47,7 @@ __all__ = [
     "pipeline_all_done",
     "pipeline_start",
     "prime_engine",
+    "reserve_neighbor_capacity",
 ]
 
 
@@ -272,6 +274,7 @@ PRIVATE_ATTRIBUTES = {
         "_num_neighbors",
         "_neighbor_matrix_shifts",
         "_max_neighbors",
+        "_max_neighbors_override",
         "_col_range",
     ),
 }
@@ -335,6 +338,29 @@ def eager_call(compiled: Any) -> Any:
 def neighbor_hook_reference(hook: Any) -> tuple[torch.Tensor | None, int, int]:
     """Positions a ``NeighborListHook`` built its list at, and its sizes (V, B)."""
     return hook._ref_positions, hook._alloc_N, hook._alloc_B
+
+
+def neighbor_hook_capacity(hook: Any) -> int | None:
+    """Neighbour capacity K a ``NeighborListHook`` settled on (None before a build).
+
+    nvalchemi sizes its [V, K] list from a density estimate at every first
+    build for a new atom count, then trims K to twice the largest neighbour
+    count it found (or grows it by half and builds again).
+    """
+    if hook._neighbor_matrix is None:
+        return None
+    return int(hook._max_neighbors)
+
+
+def reserve_neighbor_capacity(hook: Any, capacity: int) -> None:
+    """Make an unbuilt ``NeighborListHook`` start its list at capacity K.
+
+    nvalchemi's ``max_neighbors`` argument: the first build allocates K
+    columns instead of its density estimate, grows them (and builds again)
+    when an atom has more neighbours, and never trims below K. The list's
+    rows and their order do not depend on K.
+    """
+    hook._max_neighbors_override = int(capacity)
 
 
 def neighbor_hook_state(hook: Any) -> dict[str, torch.Tensor]:

@@ -388,6 +388,7 @@ def update_atoms(
     stress: bool = True,
     rotation: npt.NDArray[np.float64] | None = None,
     positions: bool | npt.NDArray[np.bool_] = True,
+    only: Sequence[int] | npt.NDArray[np.intp] | None = None,
 ) -> None:
     """Write a batch's state back into existing ``Atoms``, in place.
 
@@ -422,6 +423,9 @@ def update_atoms(
         Write positions and cell (False for structures that did not move, so
         they keep their exact float64 values instead of the batch's rounded
         copy); an array chooses per structure.
+    only : sequence of int, optional
+        Write these structures only (indices into ``images``, all B given);
+        the others are not touched. Default: every structure.
 
     Raises
     ------
@@ -431,11 +435,13 @@ def update_atoms(
     atoms_list = as_atoms_list(images)
     host = _HostCopy(batch, rotation=rotation)
     _check_same_shape(atoms_list, host)
-    result_dicts = _results_from_host(host) if results else None
     count = len(atoms_list)
+    chosen = range(count) if only is None else [int(k) for k in only]
+    result_dicts = _results_from_host(host, chosen) if results else None
     write_momenta = np.broadcast_to(np.asarray(momenta, dtype=bool), (count,))
     write_positions = np.broadcast_to(np.asarray(positions, dtype=bool), (count,))
-    for index, atoms in enumerate(atoms_list):
+    for entry_index, index in enumerate(chosen):
+        atoms = atoms_list[index]
         if write_positions[index]:
             atoms.positions[:] = host.split("positions", index)
             padding = host.system("cell_padding", index)
@@ -447,8 +453,8 @@ def update_atoms(
             atoms.set_cell(cell, apply_constraint=False)
         if write_momenta[index]:
             _write_momenta(atoms, host, index)
-        if result_dicts is not None and result_dicts[index]:
-            entry = result_dicts[index]
+        if result_dicts is not None and result_dicts[entry_index]:
+            entry = result_dicts[entry_index]
             if not stress:
                 entry.pop("stress", None)
             _store_results(atoms, entry)
@@ -481,7 +487,10 @@ def batch_results(
     return _results_from_host(_HostCopy(batch, outputs))
 
 
-def _results_from_host(host: _HostCopy) -> list[dict[str, Any]]:
+def _results_from_host(
+    host: _HostCopy, chosen: Iterable[int] | None = None
+) -> list[dict[str, Any]]:
+    """Per-structure result dicts of the ``chosen`` structures (default: all)."""
     energy = host.optional("energy")
     forces = host.optional("forces")
     stress = host.optional("stress")
@@ -492,7 +501,7 @@ def _results_from_host(host: _HostCopy) -> list[dict[str, Any]]:
         for ase_key, key in (("energies", "atomic_energies"), ("charges", "charges"))
     }
     per_structure: list[dict[str, Any]] = []
-    for index in range(host.num_graphs):
+    for index in range(host.num_graphs) if chosen is None else chosen:
         atoms_slice = slice(host.ptr[index], host.ptr[index + 1])
         entry: dict[str, Any] = {}
         if energy is not None:

@@ -44,6 +44,34 @@ def calc():
     return NVAlchemiCalculator("lj", device="cpu", dtype="float64")
 
 
+@pytest.fixture
+def eager_refills(monkeypatch):
+    """Refill as soon as a structure finished and the next fits.
+
+    The default schedule waits until the frozen structures have cost about
+    a refill; on these small sets that is often the batch's end, so the
+    survivors' carried state would go untested.
+    """
+    from nvalchemi_ase.runners import relaxation
+
+    monkeypatch.setattr(relaxation, "_REFILL_STEPS", 0.0)
+
+
+def _counting_rebuilds(monkeypatch) -> list[tuple[int, int]]:
+    """(survivors, admitted) of every rebuild of the working batch, as it happens."""
+    from nvalchemi_ase.runners import relaxation
+
+    rebuilds: list[tuple[int, int]] = []
+    rebuild = relaxation._Runner._rebuild
+
+    def counted(self, survivors, admitted):
+        rebuilds.append((len(survivors), len(admitted)))
+        return rebuild(self, survivors, admitted)
+
+    monkeypatch.setattr(relaxation._Runner, "_rebuild", counted)
+    return rebuilds
+
+
 def _alone(
     atoms: Atoms, calc, optimizer: str, steps: int = 1000, fmax: float = FMAX
 ) -> tuple:
@@ -76,6 +104,7 @@ class Counting:
     [(64, 30), pytest.param(300, 200, marks=pytest.mark.slow)],
     ids=["64-up-to-30-atoms", "300-up-to-200-atoms"],
 )
+@pytest.mark.usefixtures("eager_refills")
 def test_many_mixed_structures_refilled_each_end_as_alone(calc, count, largest):
     images = mixed(count, largest=largest)
     before = _snapshot(images)
@@ -110,10 +139,14 @@ def test_many_mixed_structures_refilled_each_end_as_alone(calc, count, largest):
     assert len({r.info["steps"] for r in by_index.values()}) > 5  # steps vary
 
 
-@pytest.mark.parametrize("optimizer", ["BFGS", "MDMin"])
-def test_exact_optimizers_follow_their_alone_path_in_flight(calc, optimizer):
+@pytest.mark.parametrize("optimizer", ["BFGS", "MDMin", "FIRE"])
+def test_exact_optimizers_follow_their_alone_path_in_flight(
+    calc, optimizer, eager_refills, monkeypatch
+):
+    rebuilds = _counting_rebuilds(monkeypatch)
     images = mixed(10, seed=1, largest=30)
     results = relax(images, calc, optimizer=optimizer, fmax=FMAX, max_atoms=50)
+    assert any(survivors and admitted for survivors, admitted in rebuilds)
     for atoms, result in zip(images, results, strict=True):
         expected, steps = _alone(atoms, calc, optimizer)
         np.testing.assert_allclose(
@@ -123,6 +156,7 @@ def test_exact_optimizers_follow_their_alone_path_in_flight(calc, optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["FIRE", "FIRE2", "LBFGS"])
+@pytest.mark.usefixtures("eager_refills")
 def test_nvalchemi_optimizers_reach_their_alone_minimum_in_flight(calc, optimizer):
     # nvalchemi's kernels reduce per structure with atomics, so a batched path
     # can differ from the lone one by round-off amplified at FIRE's resets
@@ -135,6 +169,24 @@ def test_nvalchemi_optimizers_reach_their_alone_minimum_in_flight(calc, optimize
         assert result.info["converged"] is True
         assert result.get_potential_energy() == pytest.approx(
             expected.get_potential_energy(), abs=1e-6
+        )
+
+
+def test_default_schedule_batches_refills_and_changes_no_path(calc, monkeypatch):
+    from nvalchemi_ase.runners import relaxation
+
+    images = mixed(24, seed=6, largest=30)
+    rebuilds = _counting_rebuilds(monkeypatch)
+    batched = relax(images, calc, optimizer="FIRE", fmax=FMAX, max_atoms=90)
+    default = len(rebuilds)
+    rebuilds.clear()
+    monkeypatch.setattr(relaxation, "_REFILL_STEPS", 0.0)
+    eager = relax(images, calc, optimizer="FIRE", fmax=FMAX, max_atoms=90)
+    assert default < len(rebuilds)
+    for mine, reference in zip(batched, eager, strict=True):
+        assert mine.info["steps"] == reference.info["steps"]
+        np.testing.assert_allclose(
+            mine.positions, reference.positions, atol=PATH_ATOL, rtol=0
         )
 
 

@@ -235,6 +235,8 @@ class BatchedDynamics(AseBaseDynamics):
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
+        #: ``nsteps`` at which each structure was last written back (-1: never).
+        self._written_at = np.full(len(atoms_list), -1)
         self._written = self._snapshot_atoms()
         self._constraints_written = _constraint_state(self.images)
         self.trajectories = TrajectorySet(
@@ -437,7 +439,36 @@ class BatchedDynamics(AseBaseDynamics):
         self._synced_nsteps = self.nsteps
         self._absorb_failures()
 
-    def _write_back(self, selected: npt.NDArray[np.bool_]) -> None:
+    def sync_structures(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
+        """Copy the state and results of the ``selected`` structures only.
+
+        :meth:`sync_atoms` for a subset: the other ``Atoms`` are not touched
+        (a runner writes back the structures that finished, not the whole
+        batch). A structure written at the current step is not written again
+        when the run ends (after ``results=False`` its calculator keeps the
+        results it had).
+
+        Parameters
+        ----------
+        selected : numpy.ndarray, shape (B,), bool
+            The structures to write.
+        results : bool
+            Also give their calculators the batch's results (False: positions,
+            cells and momenta only, for structures about to be evaluated anew).
+        """
+        selected = np.asarray(selected, dtype=bool)
+        if selected.all() and results:
+            self.sync_atoms()
+            return
+        self._absorb_failures(raise_now=False)
+        self._write_back(selected, results=results)
+        self._absorb_failures()
+
+    def _write_back(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
         """Write the batch into the ``Atoms`` of the ``selected`` structures."""
         keep = np.flatnonzero(selected)
         if not keep.size:
@@ -446,26 +477,31 @@ class BatchedDynamics(AseBaseDynamics):
         moved = self._moved_since_write()
         rotation = self._writeback_rotation()
         every = keep.size == len(self.images)
-        batch = (
-            self.batch
-            if every
-            else self.batch.index_select(
-                torch.as_tensor(keep, device=self.batch.device)
-            )
-        )
         update_atoms(
-            self.images if every else [self.images[i] for i in keep],
-            batch,
-            results=True,
-            momenta=np.broadcast_to(self._momenta_mask(), selected.shape)[keep],
+            self.images,
+            self.batch,
+            results=results,
+            momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
             stress=self._stress_step == self.nsteps,
-            rotation=None if rotation is None else rotation[keep],
-            positions=moved[keep],
+            rotation=rotation,
+            positions=moved,
+            only=None if every else keep,
         )
+        self._written_at[keep] = self.nsteps
         with torch.no_grad():
-            self._positions_at_write.copy_(self.batch.positions)
-            self._cell_at_write.copy_(self.batch.cell)
-        self._written = self._snapshot_atoms()
+            if every:
+                self._positions_at_write.copy_(self.batch.positions)
+                self._cell_at_write.copy_(self.batch.cell)
+            else:  # the others keep their reference: they were not written
+                chosen = torch.as_tensor(selected, device=self.batch.device)
+                rows = chosen[self.batch.batch_idx.long()]
+                self._positions_at_write[rows] = self.batch.positions[rows]
+                self._cell_at_write[chosen] = self.batch.cell[chosen]
+        if every:
+            self._written = self._snapshot_atoms()
+        else:
+            for index in keep:
+                self._written[index] = _snapshot(self.images[index])
 
     def _moved_since_write(self) -> npt.NDArray[np.bool_]:
         """Which structures' positions or cell changed since the last write, (B,)."""
@@ -588,6 +624,7 @@ class BatchedDynamics(AseBaseDynamics):
             restore_engine(self, checkpoint)
         self._after_priming()
         self._primed = True
+        self._written_at[:] = -1  # new results: nothing is up to date
         if self._reads_are_free:
             self._absorb_failures()
 
@@ -667,7 +704,8 @@ class BatchedDynamics(AseBaseDynamics):
             return
         if self._synced_nsteps == self.nsteps:
             return
-        self._write_back(self._finite_structures())
+        # structures written at this step (sync_structures) are up to date
+        self._write_back(self._finite_structures() & (self._written_at != self.nsteps))
 
     def _finite_structures(self) -> npt.NDArray[np.bool_]:
         bad_atoms = ~torch.isfinite(self.batch.positions.detach()).all(dim=1)
@@ -711,15 +749,7 @@ class BatchedDynamics(AseBaseDynamics):
                 atoms.calc = self.setup.calculator
 
     def _snapshot_atoms(self) -> list[tuple[npt.NDArray[Any], ...]]:
-        return [
-            (
-                atoms.positions.copy(),
-                atoms.get_momenta().copy(),
-                atoms.cell.array.copy(),
-                atoms.numbers.copy(),
-            )
-            for atoms in self.images
-        ]
+        return [_snapshot(atoms) for atoms in self.images]
 
     def _adopt_external_changes(self) -> None:
         """Take in positions, momenta or cells the caller changed since our write."""
@@ -952,6 +982,16 @@ class BatchedDynamics(AseBaseDynamics):
     def _writing_mask(self) -> npt.NDArray[np.bool_]:
         """Structures whose frames are written at this step (all, for MD)."""
         return np.ones(len(self.images), dtype=bool)
+
+
+def _snapshot(atoms: Atoms) -> tuple[npt.NDArray[Any], ...]:
+    """Return what :meth:`BatchedDynamics._adopt_external_changes` compares."""
+    return (
+        atoms.positions.copy(),
+        atoms.get_momenta().copy(),
+        atoms.cell.array.copy(),
+        atoms.numbers.copy(),
+    )
 
 
 def _constraint_state(images: list[Atoms]) -> list[list[Any]]:

@@ -41,12 +41,19 @@ model evaluation: survivors get the forces they already had) and go on. No
 structure's path depends on what else is in the batch: every engine works per
 structure, convergence and step limits are per structure, and the state a
 structure's next step reads is its own. The cost is one extra model
-evaluation and one batch build per refill, so refills are batched: one
-happens when a structure reaches its step limit (it must stop moving), when
-every structure in the batch has finished, or when finished structures
-(which stay frozen in the batch until then, as in a plain batched run) hold
-:data:`_REFILL_FRACTION` of the batch's atoms and the next queued structure
-fits (or the queue is empty, to shrink the batch).
+evaluation, one engine and batch build and one neighbour-list build per
+refill, so refills are batched: one happens when a structure reaches its step
+limit (it must stop moving), when every structure in the batch has finished,
+or when the finished structures (which stay frozen in the batch until then,
+as in a plain batched run, and are evaluated with it) have cost about what a
+refill costs and the next queued structure fits (or the queue is empty, to
+shrink the batch). "Cost" is counted in atoms: each step adds the fraction of
+the batch's atoms that is finished, and a refill is due once that sum reaches
+:data:`~nvalchemi_ase.runners.relaxation._REFILL_STEPS` (a refill's cost in
+steps of the whole batch), so between two refills the frozen atoms cost
+about one refill (the ski-rental rule), whether many structures finished at
+once or one finished long ago. The schedule depends only on the structures'
+steps and sizes, never on timings, so runs repeat.
 
 With a cell filter (``cell_filter=FrechetCellFilter``) refills wait until
 every structure of the working batch has finished: a variable-cell optimizer

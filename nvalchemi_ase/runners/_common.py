@@ -151,6 +151,26 @@ class Admission:
             return str(error).replace("images[0] ", "it ")
         return None
 
+    def refusals(self, images: list[Atoms]) -> list[str | None]:
+        """:meth:`__call__` of each structure, checked all at once when all pass.
+
+        One vectorised check of many structures costs about what one of a
+        single structure does (0.1 against 0.8 ms a structure for 15 argon
+        cells); only when it finds a problem is each structure checked on its
+        own, for its own reason.
+        """
+        from nvalchemi_ase.convert import check_images
+        from nvalchemi_ase.dynamics.images import check_constraints
+
+        if not images:
+            return []
+        try:
+            check_images(images, model=self._model, skin=self._skin)
+            check_constraints(images)
+        except (ValueError, TypeError):  # StructureError is a ValueError
+            return [self(atoms) for atoms in images]
+        return [None] * len(images)
+
 
 #: Step limit passed to the optimizer: the runner enforces per-structure limits.
 NO_LIMIT = 1 << 62

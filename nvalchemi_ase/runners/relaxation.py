@@ -33,6 +33,7 @@ from nvalchemi_ase.runners.budget import Budget
 from nvalchemi_ase.runners.restart import (
     FINISHED_TAG,
     FRAMES_TAG,
+    IDLE_TAG,
     INDICES_TAG,
     SERIES_LENGTHS_TAG,
     SERIES_TAG,
@@ -55,8 +56,13 @@ __all__ = ["OPTIMIZERS", "irelax", "relax"]
 OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS", "MDMin")
 
 
-#: Refill once finished structures hold this fraction of the batch's atoms.
-_REFILL_FRACTION = 0.25
+#: What a refill costs, in steps of the whole working batch: refill once the
+#: finished structures' atoms, summed over the steps they sat frozen in the
+#: batch, reach this many batches' atoms (see the module docstring). Measured
+#: for LJ argon, 4096 atoms, on a CPU: a refill (engine build, neighbour list,
+#: first evaluation, write-back) ≈ 55 ms, a step ≈ 7 ms (docs/performance.md,
+#: section 10).
+_REFILL_STEPS = 6.0
 
 
 def irelax(
@@ -279,7 +285,12 @@ def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]
 
 
 class _Queue:
-    """Inputs read lazily, one ahead; skipped and refused ones sorted out."""
+    """Inputs read lazily, one ahead; skipped and refused ones sorted out.
+
+    :meth:`peek` refuses a structure too large for the budget at once; the
+    model's checks (:class:`Admission`) run in :meth:`admissible`, over all
+    the structures a refill takes together.
+    """
 
     def __init__(
         self,
@@ -309,7 +320,7 @@ class _Queue:
                 continue
             working = atoms.copy()
             slot = Slot(index, working, self._budget.cost(working))
-            reason = self._budget.refusal(slot.cost) or self._admission(working)
+            reason = self._budget.refusal(slot.cost)
             if reason is not None:
                 self.refused.append((slot, reason))
                 continue
@@ -360,6 +371,14 @@ class _Queue:
         self._next = None
         return slot
 
+    def admissible(self, slots: list[Slot]) -> list[Slot]:
+        """Return the ``slots`` the model can run; the others go to ``refused``."""
+        reasons = self._admission.refusals([slot.atoms for slot in slots])
+        for slot, reason in zip(slots, reasons, strict=True):
+            if reason is not None:
+                self.refused.append((slot, reason))
+        return [slot for slot, reason in zip(slots, reasons, strict=True) if not reason]
+
 
 class _Runner:
     """The working batch: admission, steps, finishing, refills."""
@@ -395,10 +414,15 @@ class _Runner:
         self.opt: Any = None
         self._run: Generator[bool, None, None] | None = None
         self._survivors = 0
+        self._sizes = np.zeros(0, dtype=np.int64)
+        self._idle = 0.0
         self.restart = restart
         self.stop = stop
         self._steps_since_checkpoint = 0
-        self._drop_finished = False  # continued: written ones leave at once
+        #: A continued batch's first evaluation (the checkpoint's step, whose
+        #: refill was judged before the checkpoint): True, or "drop" when
+        #: structures written after the checkpoint must leave at once.
+        self._continuing: bool | str = False
         #: Largest number of structures in flight so far.
         self.peak = 0
 
@@ -449,12 +473,21 @@ class _Runner:
         if self.cell_filter is not None and used.any():
             return []  # variable cell: the whole batch finishes first
         admitted: list[Slot] = []
-        while (slot := queue.peek()) is not None and (
-            self.budget.fits(used, slot.cost) or (not admitted and not used.any())
-        ):
-            admitted.append(queue.take())
-            used = used + slot.cost
-        return admitted
+        while True:  # again while refusals free room
+            taken: list[Slot] = []
+            while (slot := queue.peek()) is not None and (
+                self.budget.fits(used, slot.cost)
+                or (not admitted and not taken and not used.any())
+            ):
+                taken.append(queue.take())
+                used = used + slot.cost
+            if not taken:
+                return admitted
+            runnable = queue.admissible(taken)
+            admitted += runnable
+            if len(runnable) == len(taken):
+                return admitted
+            used = self._used() + sum((s.cost for s in admitted), np.zeros(4))
 
     def _refused(self, queue: _Queue) -> Iterator[tuple[int, Atoms]]:
         while queue.refused:
@@ -470,6 +503,9 @@ class _Runner:
             [position for position, done in enumerate(self.finished) if not done],
         )
         if self._run is not None:
+            # survivors' positions for the new batch, which evaluates them anew;
+            # the finished ones were written (with results) when they finished
+            previous.sync_structures(np.ones(len(self.slots), bool), results=False)
             self._run.close()
             self._run = None
         slots = [*survivors, *admitted]
@@ -497,6 +533,8 @@ class _Runner:
             _carry_state(previous, opt, keep, len(admitted))
         self.opt, self.slots = opt, slots
         self._survivors = len(survivors)
+        self._sizes = np.array([len(slot.atoms) for slot in slots])
+        self._idle = 0.0  # batches' atoms frozen since this rebuild, summed
         self.finished = np.zeros(len(slots), dtype=bool)
         self.peak = max(self.peak, len(slots))
         self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
@@ -535,6 +573,7 @@ class _Runner:
             INDICES_TAG: np.array([s.index for s in self.slots], dtype=np.int64),
             STEPS_TAG: np.array([s.steps for s in self.slots], dtype=np.int64),
             FINISHED_TAG: self.finished.copy(),
+            IDLE_TAG: np.asarray(self._idle, dtype=np.float64),
             FRAMES_TAG: np.array(
                 [-1 if s.trajectory is None else len(s.trajectory) for s in self.slots],
                 dtype=np.int64,
@@ -596,7 +635,9 @@ class _Runner:
         self.opt, self.slots = opt, slots
         self._survivors = len(slots)  # the first evaluation steps nobody
         self.finished = finished | written
-        self._drop_finished = bool((written & ~finished).any())
+        self._continuing = "drop" if (written & ~finished).any() else True
+        self._sizes = np.array([len(slot.atoms) for slot in slots])
+        self._idle = float(tags.get(IDLE_TAG, np.zeros(())))
         self.peak = max(self.peak, len(slots))
         self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
 
@@ -656,17 +697,20 @@ class _Runner:
 
     def _refill_due(self, queue: _Queue, at_limit: npt.NDArray[np.bool_]) -> bool:
         """Whether to rebuild now: see the module docstring's refill policy."""
+        if self._continuing:
+            continuing, self._continuing = self._continuing, False
+            return continuing == "drop"
         if not self.finished.any():
             return False
-        if not (~self.finished).any() or self._drop_finished:
-            self._drop_finished = False
+        if not (~self.finished).any():
             return True
         if self.cell_filter is not None:
             return False  # the batch finishes together (same step limit)
         if (at_limit & ~self.opt.failed_mask).any():
             return True
-        sizes = np.array([len(slot.atoms) for slot in self.slots])
-        if sizes[self.finished].sum() < _REFILL_FRACTION * sizes.sum():
+        sizes = self._sizes
+        self._idle += sizes[self.finished].sum() / sizes.sum()
+        if self._idle < _REFILL_STEPS:
             return False
         slot = queue.peek()
         return slot is None or self.budget.fits(self._used(), slot.cost)
@@ -677,7 +721,9 @@ class _Runner:
         converged: npt.NDArray[np.bool_],
         failed: npt.NDArray[np.bool_],
     ) -> list[tuple[int, Atoms]]:
-        self.opt.sync_atoms()
+        ending = np.zeros(len(self.slots), dtype=bool)
+        ending[positions] = True
+        self.opt.sync_structures(ending)  # the others are written at the refill
         reasons = {f.index: f.reason for f in self.opt.failures}
         slots = [self.slots[position] for position in positions]
         results = final_values(
@@ -732,9 +778,11 @@ def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
     import torch
 
     from nvalchemi_ase._compat import carry_engine_state
+    from nvalchemi_ase.dynamics.neighbors import carry_neighbor_capacity
 
     remaining = torch.as_tensor(keep, dtype=torch.long, device=previous.batch.device)
     carry_engine_state(previous.engine, opt.engine, remaining, n_new, opt.batch)
+    carry_neighbor_capacity(previous.engine.hooks, opt.engine.hooks)
     if not keep:
         return
     pointer = previous.batch.batch_ptr.cpu().numpy()

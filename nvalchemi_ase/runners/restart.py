@@ -72,6 +72,8 @@ INDICES_TAG = "input_indices"
 #: their lengths; -1: none).
 STEPS_TAG = "steps"
 FINISHED_TAG = "finished"
+#: The refill policy's frozen-atom account since the batch was built (a float).
+IDLE_TAG = "idle"
 FRAMES_TAG = "trajectory_frames"
 SERIES_TAG = "series"
 SERIES_LENGTHS_TAG = "series_lengths"
