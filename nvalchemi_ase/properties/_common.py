@@ -800,9 +800,11 @@ def relax_and_evaluate(
     cells whose atoms sit on inversion centres) keep that result and stay out
     of the optimizer. The others are relaxed in flight
     (:func:`relax_structures`: each leaves the working batch as it converges)
-    and keep the runner's results at their relaxed geometry (energy and
-    forces of the optimizer's last evaluation there, stress evaluated as each
-    finishes): the same model on the same positions as a fresh evaluation.
+    and keep the runner's energy and forces at their relaxed geometry (the
+    optimizer's last evaluation there: the same model on the same positions
+    as a fresh evaluation, equal to it to rounding); when ``properties``
+    holds ``"stress"`` they are evaluated again, batched, so stresses are
+    those of a fresh evaluation.
 
     Parameters
     ----------
@@ -852,10 +854,17 @@ def relax_and_evaluate(
             fmax=fmax,
             steps=steps,
             optimizer=optimizer,
-            properties=wanted,
+            properties=("energy", "forces"),
             memory_budget=memory_budget,
         )
         relax_steps[moving] = steps_taken
+        if "stress" in wanted:
+            # one batched evaluation (a few, by the memory budget), not the
+            # runner's: it evaluates a stress the optimizer did not compute in
+            # one small call per group of cells finishing together
+            relaxed = evaluate(
+                calc, subset, wanted, ledger, memory_budget=memory_budget
+            )
         _check_finite(subset, relaxed, ledger)
         for k, result in zip(moving, relaxed, strict=True):
             results[k] = result
