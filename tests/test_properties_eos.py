@@ -81,18 +81,18 @@ def test_static_eos_is_one_batched_call(lj_calc64, monkeypatch):
 
 def test_ion_relaxed_eos_matches_ase_relaxations_and_is_one_run(lj_calc64, monkeypatch):
     runs = []
-    original = _common._run_optimizer
+    original = _common._run_in_flight
 
-    def counting(optimizer_class, calc, derived, selected, *args, **kwargs):
+    def counting(optimizer_class, calc, derived, selected, **kwargs):
         runs.append(len(selected))
-        return original(optimizer_class, calc, derived, selected, *args, **kwargs)
+        return original(optimizer_class, calc, derived, selected, **kwargs)
 
-    monkeypatch.setattr(_common, "_run_optimizer", counting)
+    monkeypatch.setattr(_common, "_run_in_flight", counting)
     materials = _materials()
     results = equation_of_state(
         materials, lj_calc64, n_volumes=5, relax="ions", fmax=FMAX, optimizer="LBFGS"
     )
-    # one optimizer run; the fcc cells have no forces and stay out of it
+    # one in-flight run; the fcc cells have no forces and stay out of it
     assert runs == [5]
     factors = np.linspace(0.95, 1.05, 5)
     for atoms, result in zip(materials, results, strict=True):

@@ -3,7 +3,8 @@
 Every frame of every input is a material. Each is scaled to --n-volumes cells
 (lattice vectors times 1 - STRAIN ... 1 + STRAIN); all scaled cells of all
 materials are evaluated in batched model calls, or with --relax ions their
-ions are first relaxed at fixed cell in one batched optimizer run. ASE's
+ions are first relaxed at fixed cell in one in-flight run (each cell leaves
+the working batch as it converges). ASE's
 EquationOfState fits E(V): V0 in Å³, E0 in eV, B in GPa.
 
 Outputs: every name below is put after --file-prefix (a directory ending in

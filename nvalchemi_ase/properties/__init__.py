@@ -4,9 +4,11 @@ Every function takes a list of materials and a model (a name, an nvalchemi
 model or an :class:`~nvalchemi_ase.calculator.NVAlchemiCalculator`), builds
 every derived structure of every material (scaled, strained or displaced
 cells), evaluates them all in batched ``calculate_batch`` calls or relaxes
-them all in one batched optimizer run (each converging on its own), and
-returns one result per material, in input order. A material whose structures
-fail is returned with ``error`` set; the others finish.
+them all together, each converging on its own (ions at fixed cell through
+the in-flight runner, :func:`nvalchemi_ase.runners.relax`, which converged
+structures leave; cells in one batched optimizer run), and returns one
+result per material, in input order. A material whose structures fail is
+returned with ``error`` set; the others finish.
 
 =========================  ==================================  ===================
 function                   result (units)                      library for the fit

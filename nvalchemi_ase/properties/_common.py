@@ -13,9 +13,13 @@ that do not depend on the property:
   belongs to, and which materials have failed (with the reason);
 * :func:`evaluate`: single points of every derived structure in as few
   ``calculate_batch`` calls as the memory budget allows;
-* :func:`relax_structures`: one batched optimizer run over every derived
-  structure (a few, when the memory budget says so), each converging on its
-  own; :func:`relax_and_evaluate` leaves out those already converged, and
+* :func:`relax_structures`: every derived structure relaxed, each converging
+  on its own: ion relaxations through the in-flight runner
+  (:func:`nvalchemi_ase.runners.relax`, a working batch within the memory
+  budget, :func:`atom_budget`, that converged structures leave), cell
+  relaxations in one batched optimizer run (a few, when the memory budget
+  says so); :func:`relax_and_evaluate` leaves out those already converged
+  and keeps the runner's results at the relaxed geometries, and
   :func:`relax_cells` relaxes cell and ions of the materials themselves.
 
 Failures are isolated per material: an exception raised by a batched call is
@@ -58,6 +62,7 @@ __all__ = [
     "Derived",
     "Ledger",
     "MaterialResult",
+    "atom_budget",
     "evaluate",
     "gather",
     "materials",
@@ -451,6 +456,19 @@ def evaluate(
                 results[k] = result
 
         _isolated(derived, indices, ledger, run, "the batched evaluation")
+    _check_finite(derived, results, ledger)
+    return [
+        result if ledger.alive(item.material) else None
+        for item, result in zip(derived, results, strict=True)
+    ]
+
+
+def _check_finite(
+    derived: Sequence[Derived],
+    results: Sequence[dict[str, Any] | None],
+    ledger: Ledger,
+) -> None:
+    """Fail the material of every result with a non-finite value."""
     for k, result in enumerate(results):
         if result is None:
             continue
@@ -463,10 +481,6 @@ def evaluate(
             ledger.fail(
                 derived[k].material, f"{derived[k].label}: non-finite {', '.join(bad)}"
             )
-    return [
-        result if ledger.alive(item.material) else None
-        for item, result in zip(derived, results, strict=True)
-    ]
 
 
 def gather(
@@ -517,13 +531,21 @@ def relax_structures(
     constant_volume: bool = False,
     memory_budget: float | None = None,
 ) -> np.ndarray:
-    """Relax every derived structure of the living materials in one batched run.
+    """Relax every derived structure of the living materials, batched.
 
     Each structure converges on its own (ASE's criterion: largest force below
     ``fmax``, cell forces included with ``cell=True``); the structures are
     moved in place. A structure that fails (non-finite or exploding, see
     :mod:`nvalchemi_ase.dynamics.failures`) or does not converge within
     ``steps`` fails its material.
+
+    Ion relaxations (``cell=False``) go through the in-flight runner
+    (:func:`nvalchemi_ase.runners.relax`): a working batch within the memory
+    budget that converged structures leave (and queued ones enter), so a
+    structure costs model evaluations for its own steps, not for the
+    slowest one's. Cell relaxations are one batched optimizer run per memory
+    chunk (the runner refills a variable-cell batch only once all of it has
+    finished, so it would bring nothing there).
 
     Parameters
     ----------
@@ -536,7 +558,7 @@ def relax_structures(
     fmax : float
         Convergence threshold, eV/Å.
     steps : int
-        Step limit of each batched run.
+        Step limit of each structure (its own steps).
     optimizer : str
         ``nvalchemi_ase.optimize`` class name (:data:`FIXED_CELL_OPTIMIZERS`,
         or :data:`VARIABLE_CELL_OPTIMIZERS` with ``cell=True``).
@@ -546,13 +568,26 @@ def relax_structures(
         With ``cell``: keep each cell's volume (``constant_volume=True``; the
         shape relaxes).
     memory_budget : float, optional
-        Bytes per batch (see :func:`plan_chunks`).
+        Bytes a batch may be estimated to need (see :func:`plan_chunks`;
+        ion relaxations: see :func:`atom_budget`).
 
     Returns
     -------
     numpy.ndarray of int, shape (len(derived),)
         Step at which each structure converged (-1: not relaxed or failed).
     """
+    if not cell:
+        converged_at, _ = _relax_ions(
+            calc,
+            derived,
+            ledger,
+            fmax=fmax,
+            steps=steps,
+            optimizer=optimizer,
+            properties=("energy", "forces"),
+            memory_budget=memory_budget,
+        )
+        return converged_at
     optimizer_class = _optimizer_class(optimizer, cell)
     converged_at = np.full(len(derived), -1)
     alive = [k for k, item in enumerate(derived) if ledger.alive(item.material)]
@@ -590,6 +625,163 @@ def relax_structures(
     return converged_at
 
 
+def atom_budget(
+    calc: NVAlchemiCalculator,
+    structures: Sequence[Atoms],
+    memory_budget: float | None = None,
+) -> int:
+    """Atoms a working batch of ``structures`` may hold within a memory budget.
+
+    The runner's budget (``max_atoms``) for the in-flight ion relaxations:
+    the model's memory estimate per atom of the costliest structure (edges
+    included, :func:`~nvalchemi_ase.models.memory.memory_estimate`) into the
+    budget, so any working batch of at most that many atoms is estimated
+    within it (exactly so when the structures are alike, as a material's
+    derived cells are). Never fewer than the largest structure's atoms: one
+    estimated above the budget on its own is run alone, as
+    :func:`plan_chunks` does (it fails alone if it does not fit).
+
+    Parameters
+    ----------
+    calc : NVAlchemiCalculator
+        Its model, dtype and device give the estimate.
+    structures : sequence of ase.Atoms
+        The structures.
+    memory_budget : float, optional
+        Bytes; default :data:`~nvalchemi_ase.models.memory.SAFETY_FRACTION`
+        of :func:`~nvalchemi_ase.models.memory.available_memory` on the
+        device (as :func:`plan_chunks`).
+
+    Returns
+    -------
+    int
+        The working batch's atom limit.
+    """
+    total = sum(len(atoms) for atoms in structures)
+    largest = max((len(atoms) for atoms in structures), default=1)
+    estimate = memory_estimate(calc.model, calc.dtype, calc.device)
+    budget = (
+        SAFETY_FRACTION * available_memory(calc.device)
+        if memory_budget is None
+        else float(memory_budget)
+    )
+    rate = max(
+        (
+            estimate.bytes_for(len(atoms), count_edges(atoms, estimate.cutoff))
+            / len(atoms)
+            for atoms in structures
+            if len(atoms)
+        ),
+        default=0.0,
+    )
+    if rate <= 0 or budget >= rate * total:
+        return max(total, 1)
+    return max(largest, int(budget // rate))
+
+
+def _relax_ions(
+    calc: NVAlchemiCalculator,
+    derived: Sequence[Derived],
+    ledger: Ledger,
+    *,
+    fmax: float,
+    steps: int,
+    optimizer: str,
+    properties: Sequence[str],
+    memory_budget: float | None = None,
+) -> tuple[np.ndarray, list[dict[str, Any] | None]]:
+    """Fixed-cell relaxation of the living materials' structures, in flight.
+
+    Returns the step at which each structure converged (-1: not relaxed or
+    failed) and its results at the relaxed geometry (``properties`` among
+    energy, forces, stress, as the runner returns them; None where not
+    relaxed or failed). The structures are moved in place.
+    """
+    optimizer_class = _optimizer_class(optimizer, False)
+    converged_at = np.full(len(derived), -1)
+    results: list[dict[str, Any] | None] = [None] * len(derived)
+    alive = [k for k, item in enumerate(derived) if ledger.alive(item.material)]
+    if not alive:
+        return converged_at, results
+    max_atoms = atom_budget(calc, [derived[k].atoms for k in alive], memory_budget)
+
+    def run(selected: list[int]) -> None:
+        relaxed = _run_in_flight(
+            optimizer_class,
+            calc,
+            derived,
+            selected,
+            fmax=fmax,
+            steps=steps,
+            max_atoms=max_atoms,
+            properties=properties,
+        )
+        # nothing is written back before the whole run has returned: a retry
+        # (material by material) starts from the structures as given
+        for k, atoms in zip(selected, relaxed, strict=True):
+            item = derived[k]
+            info = atoms.info
+            if info.get("failure") is not None:
+                ledger.fail(
+                    item.material,
+                    f"{item.label}: relaxation failed at step {info['steps']} "
+                    f"({info['failure']})",
+                )
+                continue
+            forces = atoms.calc.results["forces"]
+            if not info.get("converged"):
+                largest = float(np.linalg.norm(forces, axis=1).max(initial=0.0))
+                ledger.fail(
+                    item.material,
+                    f"{item.label}: relaxation did not converge to fmax {fmax} eV/Å "
+                    f"in {steps} steps (largest force {largest:.3g} eV/Å); "
+                    "raise steps or loosen fmax",
+                )
+                continue
+            item.atoms.positions = atoms.positions
+            item.atoms.calc = None
+            converged_at[k] = int(info["steps"])
+            results[k] = {
+                name: atoms.calc.results[name]
+                for name in properties
+                if name in atoms.calc.results
+            }
+
+    _isolated(derived, alive, ledger, run, f"the batched {optimizer} relaxation")
+    for k, item in enumerate(derived):
+        if not ledger.alive(item.material):
+            converged_at[k] = -1
+            results[k] = None
+    return converged_at, results
+
+
+def _run_in_flight(
+    optimizer_class: Any,
+    calc: NVAlchemiCalculator,
+    derived: Sequence[Derived],
+    selected: list[int],
+    *,
+    fmax: float,
+    steps: int,
+    max_atoms: int,
+    properties: Sequence[str],
+) -> list[Atoms]:
+    """One :func:`nvalchemi_ase.runners.relax` call over ``selected`` (new Atoms)."""
+    from nvalchemi_ase.runners import relax
+
+    return relax(
+        [derived[k].atoms for k in selected],
+        calc,
+        optimizer=optimizer_class,
+        fmax=fmax,
+        steps=steps,
+        max_atoms=max_atoms,
+        properties=tuple(properties),
+        progress=False,
+        distributed=False,
+    )
+
+
 def relax_and_evaluate(
     calc: NVAlchemiCalculator,
     derived: Sequence[Derived],
@@ -601,15 +793,18 @@ def relax_and_evaluate(
     optimizer: str,
     memory_budget: float | None = None,
 ) -> tuple[list[dict[str, Any] | None], np.ndarray]:
-    """Relax the ions of every derived structure that needs it, then evaluate all.
+    """Relax the ions of every derived structure that needs it; results at the end.
 
     One batched single point of every structure comes first; structures whose
     largest force is already below ``fmax`` (ASE's criterion, e.g. strained
     cells whose atoms sit on inversion centres) keep that result and stay out
-    of the optimizer. A batched engine steps every structure it holds until
-    the last one converges, so leaving the converged ones out saves their
-    model evaluations. The others are relaxed in one batched run
-    (:func:`relax_structures`) and evaluated again, batched.
+    of the optimizer. The others are relaxed in flight
+    (:func:`relax_structures`: each leaves the working batch as it converges)
+    and keep the runner's energy and forces at their relaxed geometry (the
+    optimizer's last evaluation there: the same model on the same positions
+    as a fresh evaluation, equal to it to rounding); when ``properties``
+    holds ``"stress"`` they are evaluated again, batched, so stresses are
+    those of a fresh evaluation.
 
     Parameters
     ----------
@@ -625,11 +820,11 @@ def relax_and_evaluate(
     fmax : float
         Convergence threshold, eV/Å.
     steps : int
-        Step limit of the batched run.
+        Step limit of each structure.
     optimizer : str
         :data:`FIXED_CELL_OPTIMIZERS` name.
     memory_budget : float, optional
-        Bytes per batch (see :func:`plan_chunks`).
+        Bytes per batch (see :func:`plan_chunks` and :func:`atom_budget`).
 
     Returns
     -------
@@ -652,16 +847,25 @@ def relax_and_evaluate(
             moving.append(k)
     if moving:
         subset = [derived[k] for k in moving]
-        relax_steps[moving] = relax_structures(
+        steps_taken, relaxed = _relax_ions(
             calc,
             subset,
             ledger,
             fmax=fmax,
             steps=steps,
             optimizer=optimizer,
+            properties=("energy", "forces"),
             memory_budget=memory_budget,
         )
-        relaxed = evaluate(calc, subset, wanted, ledger, memory_budget=memory_budget)
+        relax_steps[moving] = steps_taken
+        if "stress" in wanted:
+            # one batched evaluation (a few, by the memory budget), not the
+            # runner's: it evaluates a stress the optimizer did not compute in
+            # one small call per group of cells finishing together
+            relaxed = evaluate(
+                calc, subset, wanted, ledger, memory_budget=memory_budget
+            )
+        _check_finite(subset, relaxed, ledger)
         for k, result in zip(moving, relaxed, strict=True):
             results[k] = result
     final = [

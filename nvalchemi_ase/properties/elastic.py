@@ -3,8 +3,9 @@
 Each material's cell is strained along each of the six Voigt components
 (``n_strains`` values in ``[-strain, strain]``); every strained cell of every
 material is evaluated in one batched call, or — with ``relax_ions=True`` — its
-ions are first relaxed at fixed cell in one batched optimizer run, each cell
-converging on its own. ``C_ij`` is the least-squares slope of stress component
+ions are first relaxed at fixed cell in one in-flight run
+(:func:`nvalchemi_ase.runners.relax`), each cell leaving the working batch
+as it converges. ``C_ij`` is the least-squares slope of stress component
 ``i`` against strain component ``j``, as in
 :func:`matscipy.elasticity.fit_elastic_constants` (triclinic patterns).
 
@@ -167,12 +168,13 @@ def elastic_constants(
         Strain values per component, ``numpy.linspace(-strain, strain,
         n_strains)`` (at least 2; the zero strain, when odd, is the reference).
     relax_ions : bool
-        Relax the ions of every strained cell at fixed cell (one batched
-        run over all strained cells of all materials); False: clamped ions.
+        Relax the ions of every strained cell at fixed cell (one in-flight
+        run over all strained cells of all materials, each leaving the
+        working batch as it converges); False: clamped ions.
     fmax : float
         Force threshold of every relaxation, eV/Å.
     steps : int
-        Step limit of each batched relaxation.
+        Step limit of each relaxation (each cell's own steps).
     optimizer : str
         Ion optimizer (``FIRE``, ``FIRE2``, ``LBFGS``, ``BFGS``).
     relax_first : bool

@@ -2,8 +2,9 @@
 
 Every material is scaled to ``n_volumes`` cells (lattice vectors times
 ``1 - strain`` ... ``1 + strain``); all scaled cells of all materials are
-evaluated in one batched call, or first relaxed (ions, at fixed cell) in one
-batched optimizer run, each cell converging on its own. ASE's
+evaluated in one batched call, or first relaxed (ions at fixed cell: one
+in-flight run, :func:`nvalchemi_ase.runners.relax`, that each cell leaves as
+it converges; shape at fixed volume: one batched optimizer run). ASE's
 :class:`ase.eos.EquationOfState` fits each material's E(V).
 """
 
@@ -141,7 +142,8 @@ def equation_of_state(
         cube), dimensionless, in (0, 0.5).
     relax : {None, "ions", "shape"}
         None: single points; ``"ions"``: positions relaxed at each fixed cell
-        (one batched run over every cell of every material); ``"shape"``:
+        (one in-flight run over every cell of every material: a working
+        batch that each cell leaves as it converges); ``"shape"``:
         cell shape and positions relaxed at each fixed volume
         (``FrechetCellFilter(constant_volume=True)`` with ``cell_optimizer``,
         one batched run).
@@ -150,7 +152,7 @@ def equation_of_state(
     fmax : float
         Force threshold of every relaxation, eV/Å.
     steps : int
-        Step limit of each batched relaxation.
+        Step limit of each relaxation (each cell's own steps).
     optimizer : str
         Ion optimizer (``FIRE``, ``FIRE2``, ``LBFGS``, ``BFGS``).
     relax_first : bool
