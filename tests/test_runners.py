@@ -881,3 +881,14 @@ def test_progress_reports_structures_converged_failed_and_rate(calc, capsys):
     assert last.startswith("relax: 7/7 structures")
     assert "structures/s" in last or "s/structure" in last
     assert f"converged {sum(a.info['converged'] for a in results)}, failed 1" in last
+
+
+def test_refill_steps_is_checked_and_changes_no_path(calc):
+    images = mixed(12, seed=23, largest=30)
+    with pytest.raises(ValueError, match="refill_steps"):
+        relax(images, calc, refill_steps=-1.0)
+    eager = relax(images, calc, fmax=FMAX, max_atoms=60, refill_steps=0.0)
+    lazy = relax(images, calc, fmax=FMAX, max_atoms=60, refill_steps=50.0)
+    for a, b in zip(eager, lazy, strict=True):
+        assert a.info["steps"] == b.info["steps"]
+        np.testing.assert_allclose(a.positions, b.positions, atol=PATH_ATOL)

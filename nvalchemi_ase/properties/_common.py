@@ -81,6 +81,13 @@ FIXED_CELL_OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS")
 VARIABLE_CELL_OPTIMIZERS = ("FIRE2", "LBFGS", "FIRE", "BFGS")
 
 
+#: The runner's refill threshold for the property workflows' small cells, in
+#: whole-batch steps (:func:`nvalchemi_ase.runners.irelax`'s ``refill_steps``):
+#: measured on the section 9 sets, 1 evaluates 25 % fewer cells than the
+#: runner's default of 6 and is 1.4× faster on SevenNet-0, the same on LJ.
+REFILL_STEPS = 1.0
+
+
 def resolve_calculator(
     model: str | BaseModelMixin | NVAlchemiCalculator,
     *,
@@ -776,6 +783,7 @@ def _run_in_flight(
         fmax=fmax,
         steps=steps,
         max_atoms=max_atoms,
+        refill_steps=REFILL_STEPS,
         properties=tuple(properties),
         progress=False,
         distributed=False,

@@ -49,7 +49,8 @@ as in a plain batched run, and are evaluated with it) have cost about what a
 refill costs and the next queued structure fits (or the queue is empty, to
 shrink the batch). "Cost" is counted in atoms: each step adds the fraction of
 the batch's atoms that is finished, and a refill is due once that sum reaches
-:data:`~nvalchemi_ase.runners.relaxation._REFILL_STEPS` (a refill's cost in
+``refill_steps`` (default
+:data:`~nvalchemi_ase.runners.relaxation._REFILL_STEPS`, a refill's cost in
 steps of the whole batch), so between two refills the frozen atoms cost
 about one refill (the ski-rental rule), whether many structures finished at
 once or one finished long ago. The schedule depends only on the structures'
