@@ -323,6 +323,33 @@ def test_relax_paths_interpolates_idpp_and_reports_each_path(eight_paths, lj_cal
     assert all(result.images[0].calc is not None for result in results)
 
 
+def test_relax_paths_batches_whole_paths_within_the_memory_budget(
+    eight_paths, lj_calc64, monkeypatch
+):
+    from nvalchemi_ase.mep import engine
+
+    pairs, counts = eight_paths
+    pairs, counts = pairs[3:6], [5, 7, 5]  # a slab and two bulk cells
+    batches = []
+    original = engine.run_neb
+    monkeypatch.setattr(
+        "nvalchemi_ase.mep.paths.run_neb",
+        lambda bands, *a, **k: batches.append(len(bands)) or original(bands, *a, **k),
+    )
+    together = relax_paths(pairs, lj_calc64, fmax=0.05, n_images=counts)
+    assert batches == [3]
+    batches.clear()
+    budget = sum(n * len(pair[0]) for pair, n in zip(pairs[:2], counts, strict=False))
+    apart = relax_paths(pairs, lj_calc64, fmax=0.05, n_images=counts, max_atoms=budget)
+    assert batches == [2, 1]  # whole paths, in input order
+    for one, other in zip(together, apart, strict=True):
+        assert one.converged
+        assert other.converged
+        assert one.steps == other.steps
+        assert one.barrier_forward == pytest.approx(other.barrier_forward, abs=1e-10)
+        assert max_shift(one.images, other.images) < 1e-8
+
+
 def test_one_failing_path_stops_alone(eight_paths, lj_calc64):
     pairs, counts = eight_paths
     pairs, counts = [pairs[4], pairs[5], pairs[0]], [5, 5, 5]

@@ -21,7 +21,7 @@ on the LJ argon paths of the tests, 26-27 steps against ASE's 27-30).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
     from nvalchemi_ase.devices import DtypeLike
+    from nvalchemi_ase.runners.budget import Budget
 
 __all__ = ["INTERPOLATIONS", "PathResult", "relax_paths"]
 
@@ -112,8 +113,16 @@ def relax_paths(
     dtype: DtypeLike = None,
     failure_limits: FailureLimits | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    max_atoms: int | None = None,
+    max_edges: int | None = None,
 ) -> list[PathResult]:
     """Relax P nudged elastic bands in one batch, each converging on its own.
+
+    The bands are batched whole, as many at a time as the runners' memory
+    budget holds (:class:`~nvalchemi_ase.runners.Budget`: the model's memory
+    estimate within the free memory of the device, or ``max_atoms`` /
+    ``max_edges``); a band larger than the budget runs alone. Each path's
+    numbers do not depend on which others share its batch.
 
     Parameters
     ----------
@@ -158,6 +167,9 @@ def relax_paths(
         ...: :data:`~nvalchemi_ase.mep.engine.ASE_FIRE_PARAMETERS`); nvalchemi's
         NEB tuning is ``{"dt": 0.04, "tmax": 0.055, "maxstep": 0.1,
         "delaystep": 20, "alpha0": 0.25}``.
+    max_atoms, max_edges : int, optional
+        Batch limits (atoms of all images; ordered pairs within the model's
+        cutoff). Default: the model's memory estimate within the free memory.
 
     Returns
     -------
@@ -181,22 +193,43 @@ def relax_paths(
     bands = _bands(paths, n_images, interpolate)
     if interpolate == "idpp":
         relax_idpp(bands, k=k, device=calc.device, dtype=calc.dtype)
-    outcome = run_neb(
-        bands,
-        calc.model,
-        device=calc.device,
-        dtype=calc.dtype,
-        k=k,
-        climb=climb,
-        fmax=fmax,
-        steps=steps,
-        failure_limits=failure_limits,
-        optimizer_kwargs=optimizer_kwargs,
-    )
-    flat = [image for band in bands for image in band]
-    for image, positions in zip(flat, outcome.positions, strict=True):
-        image.set_positions(positions, apply_constraint=False)
-    return _results(bands, calc, outcome)
+    from nvalchemi_ase.runners.budget import Budget
+
+    results: list[PathResult] = []
+    for group in _batches(bands, Budget.for_calculator(calc, max_atoms, max_edges)):
+        outcome = run_neb(
+            group,
+            calc.model,
+            device=calc.device,
+            dtype=calc.dtype,
+            k=k,
+            climb=climb,
+            fmax=fmax,
+            steps=steps,
+            failure_limits=failure_limits,
+            optimizer_kwargs=optimizer_kwargs,
+        )
+        flat = [image for band in group for image in band]
+        for image, positions in zip(flat, outcome.positions, strict=True):
+            image.set_positions(positions, apply_constraint=False)
+        results += _results(group, calc, outcome)
+    return results
+
+
+def _batches(bands: list[list[Atoms]], budget: Budget) -> Iterator[list[list[Atoms]]]:
+    """Consecutive groups of whole bands within ``budget`` (input order kept)."""
+    group: list[list[Atoms]] = []
+    used = np.zeros(4)
+    for band in bands:
+        cost = sum((budget.cost(image) for image in band), np.zeros(4))
+        cost[3] = 1.0  # one structure of the budget's count per band
+        if group and not budget.fits(used, cost):
+            yield group
+            group, used = [], np.zeros(4)
+        group.append(band)
+        used = used + cost
+    if group:
+        yield group
 
 
 # -- inputs -----------------------------------------------------------------------
