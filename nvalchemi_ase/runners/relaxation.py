@@ -541,19 +541,41 @@ class _Runner:
         if self.series is not None:
             for slot in admitted:
                 slot.series = []
+        self._start(slots, kwargs, survivors=len(survivors))
+        if previous is not None:
+            _carry_state(previous, self.opt, keep, len(admitted))
+        self._idle = 0.0  # batches' atoms frozen since this rebuild, summed
+
+    def _start(
+        self,
+        slots: list[Slot],
+        kwargs: dict[str, Any],
+        *,
+        survivors: int,
+        finished: npt.NDArray[np.bool_] | None = None,
+        restart: Path | None = None,
+    ) -> None:
+        """Build the optimizer over ``slots`` and the generator that runs it.
+
+        ``survivors``: how many leading slots the first evaluation does not
+        step (a continued batch: all of them); ``restart``: the checkpoint the
+        optimizer continues from (it writes none itself: the runner does).
+        """
         images = [
             slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
             for slot in slots
         ]
-        with quiet_failures():
-            opt = self.optimizer_class(images, logfile=None, progress=False, **kwargs)
-        if previous is not None:
-            _carry_state(previous, opt, keep, len(admitted))
+        with quiet_failures(), naming_inputs([slot.index for slot in slots]):
+            opt = self.optimizer_class(
+                images, logfile=None, progress=False, restart=restart, **kwargs
+            )
+        opt.restart = None  # the runner writes its checkpoints itself
         self.opt, self.slots = opt, slots
-        self._survivors = len(survivors)
+        self._survivors = survivors
         self._sizes = np.array([len(slot.atoms) for slot in slots])
-        self._idle = 0.0  # batches' atoms frozen since this rebuild, summed
-        self.finished = np.zeros(len(slots), dtype=bool)
+        self.finished = (
+            np.zeros(len(slots), dtype=bool) if finished is None else finished
+        )
         self.peak = max(self.peak, len(slots))
         self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
 
@@ -637,27 +659,16 @@ class _Runner:
                 slot.trajectory if slot.trajectory is not None else _Discard()
                 for slot in slots
             ]
-        images = [
-            slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
-            for slot in slots
-        ]
-        with quiet_failures(), naming_inputs(indices):
-            opt = self.optimizer_class(
-                images,
-                logfile=None,
-                progress=False,
-                restart=self.restart.path if self.restart is not None else None,
-                **kwargs,
-            )
-        opt.restart = None  # the runner writes its checkpoints itself
-        self.opt, self.slots = opt, slots
-        self._survivors = len(slots)  # the first evaluation steps nobody
-        self.finished = finished | written
+        assert self.restart is not None  # noqa: S101 - called only with one
+        self._start(
+            slots,
+            kwargs,
+            survivors=len(slots),  # the first evaluation steps nobody
+            finished=finished | written,
+            restart=self.restart.path,
+        )
         self._continuing = "drop" if (written & ~finished).any() else True
-        self._sizes = np.array([len(slot.atoms) for slot in slots])
         self._idle = float(tags.get(IDLE_TAG, np.zeros(())))
-        self.peak = max(self.peak, len(slots))
-        self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
 
     # -- stepping -----------------------------------------------------------------
 
