@@ -312,7 +312,7 @@ class RelaxThenMD(BatchedDynamics):
         if not logfile:
             return
         log = open_log(logfile)
-        if not self._continuing_logs:  # a continued run: the header is there
+        if not self._continued:  # a continued run: the header is there
             log.write(
                 "%-9s %6s %6s %6s %12s %8s\n"
                 % ("Time[ps]", "relax", "md", "done", "Epot/N[eV]", "T_md[K]")

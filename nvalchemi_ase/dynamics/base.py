@@ -231,7 +231,6 @@ class BatchedDynamics(AseBaseDynamics):
         self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._pending_checkpoint: Checkpoint | None = None
-        self._continued = False  # continued from a checkpoint (restart=)
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
@@ -253,7 +252,9 @@ class BatchedDynamics(AseBaseDynamics):
         #: Log files this object appends to; a continued run cuts them back
         #: to their size at the checkpoint and writes no header again.
         self._log_paths = log_paths(logfile, len(atoms_list))
-        self._continuing_logs = restart is not None and os.path.exists(restart)
+        #: Continued from a checkpoint (``restart=`` names an existing file;
+        #: a file that does not match is refused before this object exists).
+        self._continued = restart is not None and os.path.exists(restart)
         self._setup_logging(logfile)
         self._setup_restart(restart, restart_interval)
 
@@ -893,7 +894,6 @@ class BatchedDynamics(AseBaseDynamics):
         self._primed = False
         self._pending_checkpoint = checkpoint
         self._checkpoint_nsteps = self.nsteps
-        self._continued = True
 
     def _fresh_start(self) -> bool:
         """Whether ``irun`` starts at step 0 of a run not continued from a checkpoint.

@@ -195,7 +195,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
                         dyn=self,
                         atoms=self.images[0],
                         logfile=logfile,
-                        header=not self._continuing_logs,
+                        header=not self._continued,
                         comm=world,
                     )
                 ),
@@ -214,7 +214,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
                             dyn=self,
                             atoms=atoms,
                             logfile=path,
-                            header=not self._continuing_logs,
+                            header=not self._continued,
                             comm=world,
                         )
                     ),
@@ -222,7 +222,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
                 )
             return
         log = open_log(logfile)
-        if self._continuing_logs:  # a continued run: the header is there
+        if self._continued:  # a continued run: the header is there
             self.attach(internal(self._write_batch_log), self.loginterval, log)
             return
         log.write(
