@@ -342,6 +342,8 @@ def test_relax_paths_batches_whole_paths_within_the_memory_budget(
     budget = sum(n * len(pair[0]) for pair, n in zip(pairs[:2], counts, strict=False))
     apart = relax_paths(pairs, lj_calc64, fmax=0.05, n_images=counts, max_atoms=budget)
     assert batches == [2, 1]  # whole paths, in input order
+    with pytest.raises(ValueError, match="max_atoms"):
+        relax_paths(pairs, lj_calc64, n_images=counts, max_atoms=0)
     for one, other in zip(together, apart, strict=True):
         assert one.converged
         assert other.converged

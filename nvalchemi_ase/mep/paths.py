@@ -190,13 +190,14 @@ def relax_paths(
     """
     _check_options(method, interpolate, fmax, steps)
     calc = _calculator(model, device, dtype)
+    from nvalchemi_ase.runners.budget import Budget
+
+    budget = Budget.for_calculator(calc, max_atoms, max_edges)  # checked first
     bands = _bands(paths, n_images, interpolate)
     if interpolate == "idpp":
         relax_idpp(bands, k=k, device=calc.device, dtype=calc.dtype)
-    from nvalchemi_ase.runners.budget import Budget
-
     results: list[PathResult] = []
-    for group in _batches(bands, Budget.for_calculator(calc, max_atoms, max_edges)):
+    for group in _batches(bands, budget):
         outcome = run_neb(
             group,
             calc.model,
