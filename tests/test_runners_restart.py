@@ -177,6 +177,9 @@ def test_foreign_or_mismatched_checkpoint_is_refused_before_any_step(
             restart=checkpoint,
             stop=_stop_after(4),
         )
+    with pytest.raises(ValueError, match="restart_interval"):
+        relax(images, calc, restart=tmp_path / "new.npz", restart_interval=0)
+    assert not (tmp_path / "new.npz").exists()
     output = tmp_path / "out.extxyz"
     with pytest.raises(CheckpointError, match="not written by a relaxation runner"):
         relax(images, calc, output=output, restart=checkpoint)

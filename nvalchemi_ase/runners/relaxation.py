@@ -195,6 +195,10 @@ def irelax(
         raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if restart_interval is not None and not restart_interval >= 1:
+        raise ValueError(
+            f"restart_interval must be >= 1 (batch steps), got {restart_interval}"
+        )
     if refill_steps is None:
         refill_steps = _REFILL_STEPS
     if not refill_steps >= 0:
