@@ -32,6 +32,7 @@ __all__ = [
     "carry_engine_state",
     "close_hooks",
     "eager_call",
+    "empty_neighbor_rows",
     "engine_state",
     "ensure_bookkeeping_fields",
     "ensure_substage_states",
@@ -39,7 +40,7 @@ __all__ = [
     "load_neighbor_hook_state",
     "make_state_batch",
     "masked_pre_update",
-    "neighbor_hook_capacity",
+    "neighbor_hook_lists",
     "neighbor_hook_reference",
     "neighbor_hook_state",
     "npt_operators",
@@ -47,7 +48,7 @@ __all__ = [
     "pipeline_all_done",
     "pipeline_start",
     "prime_engine",
-    "reserve_neighbor_capacity",
+    "seed_neighbor_hook",
 ]
 
 
@@ -244,7 +245,8 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
             "format",
             "cutoff",
         ),
-        "put a restored neighbour list back into the batch (exact restart)",
+        "put a restored neighbour list back into the batch (exact restart), "
+        "and one whose finished structures' rows were emptied (runners)",
     ),
     PrivateMember(
         "nvalchemi.dynamics.base",
@@ -340,27 +342,45 @@ def neighbor_hook_reference(hook: Any) -> tuple[torch.Tensor | None, int, int]:
     return hook._ref_positions, hook._alloc_N, hook._alloc_B
 
 
-def neighbor_hook_capacity(hook: Any) -> int | None:
-    """Neighbour capacity K a ``NeighborListHook`` settled on (None before a build).
+def seed_neighbor_hook(
+    hook: Any,
+    matrix: torch.Tensor,
+    num_neighbors: torch.Tensor,
+    shifts: torch.Tensor | None,
+    reference: torch.Tensor,
+) -> None:
+    """Give an unbuilt ``NeighborListHook`` a list to start from.
 
-    nvalchemi sizes its [V, K] list from a density estimate at every first
-    build for a new atom count, then trims K to twice the largest neighbour
-    count it found (or grows it by half and builds again).
+    ``matrix`` [V, K], ``num_neighbors`` [V], ``shifts`` [V, K, 3] (int32)
+    and ``reference`` [V, 3] (positions the rows were built at, for the skin
+    test) for the batch the hook will see. Its first call keeps the rows of
+    every system whose atoms are within ``skin / 2`` of ``reference`` and
+    builds the others (nvalchemi's per-system ``rebuild_flags``), then checks
+    K as after any first build; K never drops below the seed's.
+    """
+    capacity = int(matrix.shape[1])
+    hook._neighbor_matrix = matrix
+    hook._num_neighbors = num_neighbors
+    hook._neighbor_matrix_shifts = shifts
+    hook._ref_positions = reference
+    hook._max_neighbors = capacity
+    hook._max_neighbors_override = capacity
+    hook._col_range = _arange(capacity, matrix.device)
+
+
+def neighbor_hook_lists(hook: Any) -> dict[str, torch.Tensor]:
+    """Return the list a ``NeighborListHook`` holds (its own tensors, not copies).
+
+    The keys of :func:`neighbor_hook_state`; read them, never write them.
     """
     if hook._neighbor_matrix is None:
-        return None
-    return int(hook._max_neighbors)
-
-
-def reserve_neighbor_capacity(hook: Any, capacity: int) -> None:
-    """Make an unbuilt ``NeighborListHook`` start its list at capacity K.
-
-    nvalchemi's ``max_neighbors`` argument: the first build allocates K
-    columns instead of its density estimate, grows them (and builds again)
-    when an atom has more neighbours, and never trims below K. The list's
-    rows and their order do not depend on K.
-    """
-    hook._max_neighbors_override = int(capacity)
+        return {}
+    lists = {"matrix": hook._neighbor_matrix, "num_neighbors": hook._num_neighbors}
+    if hook._neighbor_matrix_shifts is not None:
+        lists["shifts"] = hook._neighbor_matrix_shifts
+    if hook._ref_positions is not None:
+        lists["reference_positions"] = hook._ref_positions
+    return lists
 
 
 def neighbor_hook_state(hook: Any) -> dict[str, torch.Tensor]:
@@ -374,17 +394,9 @@ def neighbor_hook_state(hook: Any) -> dict[str, torch.Tensor]:
         Å (positions at the last build, for the skin test). Empty before the
         first build.
     """
-    if hook._neighbor_matrix is None:
-        return {}
-    state = {
-        "matrix": hook._neighbor_matrix.detach().clone(),
-        "num_neighbors": hook._num_neighbors.detach().clone(),
+    return {
+        key: value.detach().clone() for key, value in neighbor_hook_lists(hook).items()
     }
-    if hook._neighbor_matrix_shifts is not None:
-        state["shifts"] = hook._neighbor_matrix_shifts.detach().clone()
-    if hook._ref_positions is not None:
-        state["reference_positions"] = hook._ref_positions.detach().clone()
-    return state
 
 
 def load_neighbor_hook_state(
@@ -409,6 +421,32 @@ def load_neighbor_hook_state(
         hook._ref_positions = reference.to(matrix.device)
     hook._max_neighbors = int(matrix.shape[1])
     hook._col_range = _arange(int(matrix.shape[1]), matrix.device)
+    neighbors._write_neighbor_data_to_batch(
+        batch,
+        hook._neighbor_matrix,
+        hook._num_neighbors,
+        hook._neighbor_matrix_shifts,
+        hook.config.format,
+        hook.config.cutoff,
+    )
+
+
+def empty_neighbor_rows(hook: Any, rows: torch.Tensor, batch: Batch) -> None:
+    """Give the atoms ``rows`` of a built ``NeighborListHook`` no neighbours.
+
+    Their rows of the [V, K] list are set to the fill value (``V``), their
+    counts and shifts to 0, and the batch's neighbour fields rewritten (a COO
+    list is converted from the matrix again). nvalchemi's selective rebuild
+    leaves a system it does not flag untouched, so the rows stay empty until
+    that system moves past the skin or the whole list is rebuilt.
+    """
+    neighbors = import_quietly("nvalchemi.neighbors")
+    if hook._neighbor_matrix is None:
+        return
+    hook._num_neighbors[rows] = 0
+    hook._neighbor_matrix[rows] = batch.num_nodes
+    if hook._neighbor_matrix_shifts is not None:
+        hook._neighbor_matrix_shifts[rows] = 0
     neighbors._write_neighbor_data_to_batch(
         batch,
         hook._neighbor_matrix,

@@ -23,11 +23,12 @@ import torch
 
 from nvalchemi_ase._compat import (
     eager_call,
+    empty_neighbor_rows,
     load_neighbor_hook_state,
-    neighbor_hook_capacity,
+    neighbor_hook_lists,
     neighbor_hook_reference,
     neighbor_hook_state,
-    reserve_neighbor_capacity,
+    seed_neighbor_hook,
 )
 from nvalchemi_ase._quiet import import_quietly
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
-    "carry_neighbor_capacity",
+    "carry_neighbor_lists",
+    "empty_neighbors",
     "is_neighbor_hook",
     "load_neighbor_state",
     "neighbor_hooks",
@@ -94,6 +96,8 @@ def _skipping_hook_class() -> type:
             self.builds = 0
             self._written: torch.Tensor | None = None
             self._cell_at_build: torch.Tensor | None = None
+            #: Atom rows kept empty (:func:`empty_neighbors`), or None.
+            self.emptied: torch.Tensor | None = None
 
         def __call__(self, ctx: Any, stage: Any) -> None:
             batch = ctx.batch
@@ -101,35 +105,133 @@ def _skipping_hook_class() -> type:
                 return
             eager(self, ctx, stage)
             self.builds += 1
+            if self.emptied is not None:  # a rebuild may have refilled them
+                empty_neighbor_rows(self, self.emptied, batch)
             self._written = _neighbor_data(batch)
             self._cell_at_build = _cell_of(batch)
 
     return SkinNeighborListHook
 
 
-def carry_neighbor_capacity(old_hooks: list[Any], new_hooks: list[Any]) -> None:
-    """Start the new engine's neighbour lists at the capacity the old ones found.
+def empty_neighbors(hooks: list[Any], batch: Batch, systems: torch.Tensor) -> None:
+    """Stop evaluating the interactions of some structures of ``batch``.
 
-    A runner's refill builds a new engine over a batch much like the last
-    one. Left alone, its first list build allocates nvalchemi's density
-    estimate of the neighbour capacity K (about seven times what an argon
-    crystal needs at an 8.5 Å LJ cutoff), fills and trims it: about a third of
-    a refill's first evaluation for 4096 atoms on a CPU. Starting at the old
-    list's K skips that; the list grows itself when an atom has more
-    neighbours, and its contents (rows, their order) do not depend on K, so
-    the forces are the same to the bit.
+    Their atoms keep no neighbours in the lists of ``hooks`` from now on (also
+    after later rebuilds), so a model that sums over the list spends next to
+    nothing on them; their energies and forces become those of isolated atoms
+    (zero for LJ). For structures that are done but stay in the batch until
+    it is rebuilt: a runner's finished structures, whose results were already
+    read. The other structures' lists, and so their results, are unchanged.
+
+    Parameters
+    ----------
+    hooks : list
+        An engine's hooks; those made by :func:`neighbor_hooks` are changed.
+    batch : Batch
+        The batch the hooks built their lists for.
+    systems : torch.Tensor
+        [B] bool: the structures to leave out.
+    """
+    rows = torch.nonzero(systems.to(batch.device)[batch.batch_idx.long()]).squeeze(1)
+    if rows.numel() == 0:
+        return
+    for hook in hooks:
+        if not is_neighbor_hook(hook):
+            continue
+        hook.emptied = rows if hook.emptied is None else torch.cat([hook.emptied, rows])
+        empty_neighbor_rows(hook, rows, batch)
+        hook._written = _neighbor_data(batch)
+
+
+def carry_neighbor_lists(
+    old_hooks: list[Any],
+    new_hooks: list[Any],
+    old_batch: Batch,
+    kept: torch.Tensor,
+    new_batch: Batch,
+) -> None:
+    """Start a refilled batch's neighbour lists from the survivors' lists.
+
+    A runner's refill builds a new engine over the structures ``kept`` of
+    ``old_batch`` (in order, first) followed by the admitted ones. Left alone,
+    the new engine's first evaluation builds every list again (about 30 ms
+    for 4096 LJ argon atoms on a CPU, four LJ evaluations), although nothing
+    changed for the survivors. Here each new hook gets the survivors' rows,
+    renumbered, with the positions they were built at as its skin reference,
+    so its first build (nvalchemi's per-system rebuild) makes only the
+    admitted structures' lists; and it starts at the old list's capacity K
+    (nvalchemi's density estimate is about seven times what argon needs).
+    Every list stays a Verlet list of its structure (all pairs within the
+    cutoff, at most ``skin / 2`` moved since it was built), so forces equal
+    a fresh list's up to the order of the sum.
 
     Parameters
     ----------
     old_hooks, new_hooks : list
         The two engines' hooks; neighbour-list hooks are paired in order.
+    old_batch : Batch
+        The batch the old hooks built their lists for.
+    kept : torch.Tensor
+        Indices (long) of the structures of ``old_batch`` that continue, in
+        the order they lead ``new_batch``.
+    new_batch : Batch
+        The refilled batch (not evaluated yet).
     """
     old = [hook for hook in old_hooks if is_neighbor_hook(hook)]
     new = [hook for hook in new_hooks if is_neighbor_hook(hook)]
     for previous, fresh in zip(old, new, strict=False):
-        capacity = neighbor_hook_capacity(previous)
-        if capacity is not None and neighbor_hook_capacity(fresh) is None:
-            reserve_neighbor_capacity(fresh, capacity)
+        lists = neighbor_hook_lists(previous)
+        if not lists or neighbor_hook_lists(fresh):
+            continue
+        seed = _renumbered(lists, old_batch, kept, new_batch, previous.skin)
+        seed_neighbor_hook(fresh, *seed)
+
+
+def _renumbered(
+    lists: dict[str, torch.Tensor],
+    old_batch: Batch,
+    kept: torch.Tensor,
+    new_batch: Batch,
+    skin: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Return the survivors' rows of ``lists`` for ``new_batch``, empty rows after.
+
+    Returns the matrix, counts, shifts and skin reference of
+    :func:`~nvalchemi_ase._compat.seed_neighbor_hook`. A survivor's
+    neighbours are atoms of its own structure, so renumbering is one offset
+    per structure (entries past an atom's count are padding, which the hook
+    rewrites at its next call). The admitted atoms' reference is put far
+    from their positions, so their structures are built.
+    """
+    device = new_batch.positions.device
+    new_atoms = int(new_batch.num_nodes)
+    kept = kept.to(device)
+    old_start = old_batch.batch_ptr[:-1].index_select(0, kept)
+    sizes = old_batch.batch_ptr[1:].index_select(0, kept) - old_start
+    new_start = torch.cumsum(sizes, 0) - sizes
+    offsets = torch.repeat_interleave(old_start - new_start, sizes)  # old - new row
+    carried = int(offsets.numel())
+    rows = torch.arange(carried, device=device, dtype=offsets.dtype) + offsets
+    capacity = int(lists["matrix"].shape[1])
+    matrix = torch.empty((new_atoms, capacity), dtype=torch.int32, device=device)
+    torch.sub(
+        lists["matrix"].index_select(0, rows),
+        offsets.to(torch.int32).unsqueeze(1),
+        out=matrix[:carried],
+    )
+    matrix[carried:] = new_atoms
+    counts = torch.zeros(new_atoms, dtype=torch.int32, device=device)
+    counts[:carried] = lists["num_neighbors"].index_select(0, rows)
+    shifts = None
+    if "shifts" in lists:
+        shifts = torch.empty((new_atoms, capacity, 3), dtype=torch.int32, device=device)
+        torch.index_select(lists["shifts"], 0, rows, out=shifts[:carried])
+        shifts[carried:] = 0
+    with torch.no_grad():
+        reference = new_batch.positions.detach() + (10.0 * skin + 1.0)
+        if "reference_positions" in lists:
+            reference[:carried] = lists["reference_positions"].index_select(0, rows)
+    return matrix, counts, shifts, reference
 
 
 def neighbor_state(hook: Any) -> dict[str, torch.Tensor]:

@@ -26,35 +26,41 @@ refill_frequency=...)``, ``refill_check``) was read and not used directly:
   and would have to be resized in step with it;
 * its samplers need a sized, indexable dataset, not a stream.
 
-What *is* nvalchemi's is the per-structure engine state: at each refill the
-old engine's ``_sync_state_to_batch(remaining, n_new, new_batch)`` — the very
+What *is* nvalchemi's is the per-structure engine state: at each refill the old
+engine's ``_sync_state_to_batch(remaining, n_new, new_batch)`` — the very
 method ``refill_check`` calls — keeps the survivors' rows (FIRE's ``dt``,
 ``alpha`` and step counters, L-BFGS history, this package's BFGS Hessians,
 widened if needed) and appends ``_make_new_state`` rows for the admitted
 structures, and that state is handed to a freshly built optimizer of this
 package (:func:`nvalchemi_ase._compat.carry_engine_state`). The survivors'
-velocities (FIRE, FIRE2, MDMin) are copied over too. So a refill is: write
-the batch back into the working ``Atoms``, build a new
+velocities (FIRE, FIRE2, MDMin) are copied over too. So a refill is: write the
+batch back into the working ``Atoms``, build a new
 :class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer` over survivors +
-admitted structures (failure guard included), carry the state, prime (one
-model evaluation: survivors get the forces they already had) and go on. No
+admitted structures (failure guard included), carry the state, prime (one model
+evaluation: survivors get the forces they already had) and go on. No
 structure's path depends on what else is in the batch: every engine works per
 structure, convergence and step limits are per structure, and the state a
-structure's next step reads is its own. The cost is one extra model
-evaluation, one engine and batch build and one neighbour-list build per
+structure's next step reads is its own. The cost is one extra model evaluation,
+one engine and batch build and the admitted structures' neighbour lists per
 refill, so refills are batched: one happens when a structure reaches its step
-limit (it must stop moving), when every structure in the batch has finished,
-or when the finished structures (which stay frozen in the batch until then,
-as in a plain batched run, and are evaluated with it) have cost about what a
-refill costs and the next queued structure fits (or the queue is empty, to
-shrink the batch). "Cost" is counted in atoms: each step adds the fraction of
-the batch's atoms that is finished, and a refill is due once that sum reaches
-``refill_steps`` (default
-:data:`~nvalchemi_ase.runners.relaxation._REFILL_STEPS`, a refill's cost in
-steps of the whole batch), so between two refills the frozen atoms cost
-about one refill (the ski-rental rule), whether many structures finished at
-once or one finished long ago. The schedule depends only on the structures'
-steps and sizes, never on timings, so runs repeat.
+limit (it must stop moving), when every structure in the batch has finished, or
+when the finished structures (which stay frozen in the batch until then, as in
+a plain batched run) have cost about what a refill costs and the next queued
+structure fits (or the queue is empty, to shrink the batch). A finished
+structure's results are read when it finishes; from then on its atoms keep no
+neighbours (``dynamics.neighbors.empty_neighbors``), so a model that sums over
+the neighbour list spends next to nothing on it (an LJ evaluation of a batch
+with half its atoms emptied costs 0.4 of the full one). "Cost" is counted in
+atoms: each step adds the fraction of the batch's atoms that is finished, and a
+refill is due once that sum reaches ``refill_steps`` (a refill's cost in steps
+of the whole batch: 1 for models whose forces come by autograd,
+:data:`~nvalchemi_ase.runners.relaxation._REFILL_STEPS` for direct-force models
+such as LJ), so between two refills the frozen atoms cost about one refill (the
+ski-rental rule), whether many structures finished at once or one finished long
+ago. A refill starts the survivors' neighbour lists from their old rows
+(``carry_neighbor_lists``): only the admitted structures' lists are built. The
+schedule depends only on the structures' steps and sizes, never on timings, so
+runs repeat.
 
 With a cell filter (``cell_filter=FrechetCellFilter``) refills wait until
 every structure of the working batch has finished: a variable-cell optimizer

@@ -56,13 +56,19 @@ __all__ = ["OPTIMIZERS", "irelax", "relax"]
 OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS", "MDMin")
 
 
-#: What a refill costs, in steps of the whole working batch: refill once the
-#: finished structures' atoms, summed over the steps they sat frozen in the
-#: batch, reach this many batches' atoms (see the module docstring). Measured
-#: for LJ argon, 4096 atoms, on a CPU: a refill (engine build, neighbour list,
-#: first evaluation, write-back) ≈ 55 ms, a step ≈ 7 ms (docs/performance.md,
-#: section 10).
+#: What a refill costs, in steps of the whole working batch, for a model that
+#: computes its forces directly (LJ): refill once the finished structures'
+#: atoms, summed over the steps they sat frozen in the batch, reach this many
+#: batches' atoms (see the module docstring). Measured for LJ argon, 4096
+#: atoms, on a CPU: a refill (engine build, neighbour lists, first
+#: evaluation, write-back) costs several steps (docs/performance.md, section 10).
 _REFILL_STEPS = 6.0
+
+#: The same for a model whose forces come by autograd (machine-learned
+#: potentials): an evaluation costs far more than the rest of a refill, so a
+#: refill costs about one step (SevenNet-0 on a CPU: 1 evaluates 16-20 % fewer
+#: atoms than 6 and is faster, docs/performance.md, TorchSim section).
+_REFILL_STEPS_AUTOGRAD = 1.0
 
 
 def irelax(
@@ -121,13 +127,13 @@ def irelax(
     refill_steps : float, optional
         What a refill costs, in steps of the whole working batch: a refill is
         due once the finished structures' atoms, summed over the steps they
-        sat frozen in the batch, reach this many batches' atoms (default
-        :data:`_REFILL_STEPS`, measured for LJ batches of ~4000 atoms on a
-        CPU, where rebuilding the neighbour list dominates a refill). Models
-        whose steps cost more than a rebuild (machine-learned potentials)
-        and small batches want about 1 (the property workflows use 1: 1.4×
-        faster on SevenNet-0, the same on LJ). Only timing changes, never a
-        structure's path.
+        sat frozen in the batch, reach this many batches' atoms. Default: 1
+        for a model whose forces come by autograd (machine-learned
+        potentials: an evaluation dominates a refill), :data:`_REFILL_STEPS`
+        (6) for one that computes them directly (LJ, measured for batches of
+        ~4000 atoms on a CPU, where building the batch and neighbour lists
+        dominates a refill). Small batches want about 1 (the property
+        workflows use 1). Only timing changes, never a structure's path.
     properties : iterable of str
         Results kept per structure, from :data:`PROPERTIES`: ``energy`` (eV)
         and ``forces`` (eV/Å) always; ``stress`` (Voigt, eV/Å³, cells of rank
@@ -199,9 +205,7 @@ def irelax(
         raise ValueError(
             f"restart_interval must be >= 1 (batch steps), got {restart_interval}"
         )
-    if refill_steps is None:
-        refill_steps = _REFILL_STEPS
-    if not refill_steps >= 0:
+    if refill_steps is not None and not refill_steps >= 0:
         raise ValueError(f"refill_steps must be >= 0 (batch steps), got {refill_steps}")
     device = optimizer_kwargs.pop("device", None)
     dtype = optimizer_kwargs.pop("dtype", None)
@@ -242,7 +246,11 @@ def irelax(
                 series=series,
                 restart=checkpoint,
                 stop=stop,
-                refill_steps=refill_steps,
+                refill_steps=(
+                    _default_refill_steps(run.calc.model)
+                    if refill_steps is None
+                    else refill_steps
+                ),
             ),
             progress,
         )
@@ -671,6 +679,7 @@ class _Runner:
             finished=finished | written,
             restart=self.restart.path,
         )
+        self._stop_evaluating(finished | written)
         self._continuing = "drop" if (written & ~finished).any() else True
         self._idle = float(tags.get(IDLE_TAG, np.zeros(())))
 
@@ -748,6 +757,22 @@ class _Runner:
         slot = queue.peek()
         return slot is None or self.budget.fits(self._used(), slot.cost)
 
+    def _stop_evaluating(self, structures: npt.NDArray[np.bool_]) -> None:
+        """Empty the neighbour lists of finished ``structures`` [B] (results read).
+
+        They stay in the batch, frozen, until the next refill; without
+        neighbours the model spends next to nothing on them (an LJ step's cost
+        is in its pairs), so waiting for a refill costs less.
+        """
+        import torch
+
+        from nvalchemi_ase.dynamics.neighbors import empty_neighbors
+
+        if structures.any():
+            empty_neighbors(
+                self.opt.engine.hooks, self.opt.batch, torch.as_tensor(structures)
+            )
+
     def _finish(
         self,
         positions: npt.NDArray[np.intp],
@@ -766,6 +791,7 @@ class _Runner:
             stress=self.stress,
         )
         self.finished[positions] = True
+        self._stop_evaluating(ending)
         done = []
         for position, slot, result in zip(positions, slots, results, strict=True):
             if slot.trajectory is not None:
@@ -811,11 +837,13 @@ def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
     import torch
 
     from nvalchemi_ase._compat import carry_engine_state
-    from nvalchemi_ase.dynamics.neighbors import carry_neighbor_capacity
+    from nvalchemi_ase.dynamics.neighbors import carry_neighbor_lists
 
     remaining = torch.as_tensor(keep, dtype=torch.long, device=previous.batch.device)
+    carry_neighbor_lists(
+        previous.engine.hooks, opt.engine.hooks, previous.batch, remaining, opt.batch
+    )
     carry_engine_state(previous.engine, opt.engine, remaining, n_new, opt.batch)
-    carry_neighbor_capacity(previous.engine.hooks, opt.engine.hooks)
     if not keep:
         return
     pointer = previous.batch.batch_ptr.cpu().numpy()
@@ -823,6 +851,13 @@ def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
     index = torch.as_tensor(rows, dtype=torch.long, device=previous.batch.device)
     with torch.no_grad():
         opt.batch.velocities[: rows.size].copy_(previous.batch.velocities[index])
+
+
+def _default_refill_steps(model: Any) -> float:
+    """``refill_steps`` for ``model``: see :func:`irelax`."""
+    if "forces" in model.model_config.autograd_outputs:
+        return _REFILL_STEPS_AUTOGRAD
+    return _REFILL_STEPS
 
 
 def _optimizer_class(optimizer: str | type) -> type:
