@@ -777,6 +777,9 @@ BENCHMARKS = {
     "adapter": adapter_throughput,
     "scaling": scaling,
     "runners": lambda s, r: importlib.import_module("benchmarks.runners").run(s, r),
+    "runners-sevennet": lambda *a: importlib.import_module(
+        "benchmarks.runners"
+    ).run_sevennet(*a),
     "distributed": lambda *a: importlib.import_module("benchmarks.distributed").run(*a),
     "memory": lambda *a: importlib.import_module("benchmarks.memory").run(*a),
     "neb": lambda s, r: importlib.import_module("benchmarks.neb").neb_paths(s, r),
