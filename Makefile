@@ -40,8 +40,8 @@ bench: $(VENV)/.installed-test
 	$(PY) -m benchmarks
 
 lint: $(VENV)/.installed-test
-	$(PY) -m ruff check nvalchemi_ase tests tutorials
-	$(PY) -m ruff format --check nvalchemi_ase tests tutorials
+	$(PY) -m ruff check nvalchemi_ase tests tutorials benchmarks
+	$(PY) -m ruff format --check nvalchemi_ase tests tutorials benchmarks
 	$(PY) -m mypy
 
 clean:

@@ -22,9 +22,9 @@ Two sets (:data:`CASES`):
   CPU SevenNet-0 costs ~10-30 ms an atom evaluated: the section takes
   3-6 min); the in-flight runner also with ``refill_steps=6``, the
   default of direct-force models such as LJ (its default for
-  machine-learned potentials is 1). The note adds CPU times, the edges within the model's cutoff
-  the model evaluated (its cost on a CPU follows them) and the work ceiling
-  in edges.
+  machine-learned potentials is 1). The note adds CPU times, the edges
+  within the model's cutoff the model evaluated (its cost on a CPU follows
+  them) and the work ceiling in edges.
 
 Besides the rates, every run counts its work: structure-steps (each
 structure's own steps, summed), model evaluations (calls) and atoms evaluated
