@@ -60,7 +60,7 @@ class Side:
         self.dtype = torch.float64
 
     def load(self, request: dict[str, Any]) -> dict[str, Any]:
-        self.structures = read(request["path"], index=":")
+        self.structures = list(read(request["path"], index=":"))
         for index, atoms in enumerate(self.structures):
             atoms.info["bench_index"] = index
         self.dtype = DTYPES[request["dtype"]]

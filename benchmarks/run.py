@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -664,9 +665,7 @@ def scaling(settings: Settings, report: Report) -> None:
         dyn.run(2)  # warm-up: kernels, neighbour-list buffers
         steps = max(3, settings.md_steps // 4)
         elapsed = (
-            median_time(
-                lambda dyn=dyn, steps=steps: dyn.run(steps), settings.repeats, warmup=0
-            )
+            median_time(functools.partial(dyn.run, steps), settings.repeats, warmup=0)
             / steps
         )
         atoms_total = count * 108

@@ -64,7 +64,7 @@ def make_structures(count: int, seed: int = 0) -> list[Any]:
     from ase.build import bulk
 
     rng = np.random.default_rng(seed)
-    structures = []
+    structures: list[Any] = []
     while len(structures) < count:
         repeat = rng.integers(1, 5, size=3)
         if repeat.prod() > 64:
