@@ -358,14 +358,9 @@ def seed_neighbor_hook(
     builds the others (nvalchemi's per-system ``rebuild_flags``), then checks
     K as after any first build; K never drops below the seed's.
     """
-    capacity = int(matrix.shape[1])
-    hook._neighbor_matrix = matrix
-    hook._num_neighbors = num_neighbors
-    hook._neighbor_matrix_shifts = shifts
+    _set_hook_lists(hook, matrix, num_neighbors, shifts)
     hook._ref_positions = reference
-    hook._max_neighbors = capacity
-    hook._max_neighbors_override = capacity
-    hook._col_range = _arange(capacity, matrix.device)
+    hook._max_neighbors_override = int(matrix.shape[1])
 
 
 def neighbor_hook_lists(hook: Any) -> dict[str, torch.Tensor]:
@@ -410,25 +405,18 @@ def load_neighbor_hook_state(
     the next evaluations sum the same pairs in the same order as the run that
     wrote the checkpoint.
     """
-    neighbors = import_quietly("nvalchemi.neighbors")
-    matrix = state["matrix"].to(hook._neighbor_matrix.device)
-    hook._neighbor_matrix = matrix
-    hook._num_neighbors = state["num_neighbors"].to(matrix.device)
+    device = hook._neighbor_matrix.device
     shifts = state.get("shifts")
-    hook._neighbor_matrix_shifts = None if shifts is None else shifts.to(matrix.device)
+    _set_hook_lists(
+        hook,
+        state["matrix"].to(device),
+        state["num_neighbors"].to(device),
+        None if shifts is None else shifts.to(device),
+    )
     reference = state.get("reference_positions")
     if reference is not None:
-        hook._ref_positions = reference.to(matrix.device)
-    hook._max_neighbors = int(matrix.shape[1])
-    hook._col_range = _arange(int(matrix.shape[1]), matrix.device)
-    neighbors._write_neighbor_data_to_batch(
-        batch,
-        hook._neighbor_matrix,
-        hook._num_neighbors,
-        hook._neighbor_matrix_shifts,
-        hook.config.format,
-        hook.config.cutoff,
-    )
+        hook._ref_positions = reference.to(device)
+    _write_hook_lists(hook, batch)
 
 
 def empty_neighbor_rows(hook: Any, rows: torch.Tensor, batch: Batch) -> None:
@@ -440,13 +428,32 @@ def empty_neighbor_rows(hook: Any, rows: torch.Tensor, batch: Batch) -> None:
     leaves a system it does not flag untouched, so the rows stay empty until
     that system moves past the skin or the whole list is rebuilt.
     """
-    neighbors = import_quietly("nvalchemi.neighbors")
     if hook._neighbor_matrix is None:
         return
     hook._num_neighbors[rows] = 0
     hook._neighbor_matrix[rows] = batch.num_nodes
     if hook._neighbor_matrix_shifts is not None:
         hook._neighbor_matrix_shifts[rows] = 0
+    _write_hook_lists(hook, batch)
+
+
+def _set_hook_lists(
+    hook: Any,
+    matrix: torch.Tensor,
+    num_neighbors: torch.Tensor,
+    shifts: torch.Tensor | None,
+) -> None:
+    """Make ``matrix`` [V, K], its counts and shifts a hook's list (K from it)."""
+    hook._neighbor_matrix = matrix
+    hook._num_neighbors = num_neighbors
+    hook._neighbor_matrix_shifts = shifts
+    hook._max_neighbors = int(matrix.shape[1])
+    hook._col_range = _arange(int(matrix.shape[1]), matrix.device)
+
+
+def _write_hook_lists(hook: Any, batch: Batch) -> None:
+    """Write a hook's list into ``batch``'s neighbour fields (COO: converted)."""
+    neighbors = import_quietly("nvalchemi.neighbors")
     neighbors._write_neighbor_data_to_batch(
         batch,
         hook._neighbor_matrix,
