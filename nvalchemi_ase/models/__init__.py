@@ -40,13 +40,12 @@ atomic numbers (None).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nvalchemi_ase.convert import _supported_elements
-from nvalchemi_ase.models import builtin, sevennet
+from nvalchemi_ase.models import builtin, registry, sevennet
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -60,23 +59,54 @@ __all__ = [
     "supported_elements",
 ]
 
-_FACTORIES: dict[str, Callable[..., BaseModelMixin]] = {
-    "lj": builtin.lennard_jones,
-    "demo": builtin.demo,
-    "sevennet-0": sevennet.sevennet_0,
-    "7net-0": sevennet.sevennet_0,
-}
+registry.register(
+    registry.ModelInfo(
+        name="lj",
+        factory=builtin.lennard_jones,
+        summary="Lennard-Jones (nvalchemi's Warp kernel; argon by default)",
+        elements="any (one species)",
+        cutoff="8.5 Å (parameter)",
+        dtype="any",
+        licence="Apache-2.0 (nvalchemi)",
+    )
+)
+registry.register(
+    registry.ModelInfo(
+        name="demo",
+        factory=builtin.demo,
+        summary="nvalchemi's demo model, random weights (a test model, not physics)",
+        elements="1-99",
+        cutoff="none (no neighbour list, no PBC)",
+        dtype="float32",
+        licence="Apache-2.0 (nvalchemi)",
+    )
+)
+registry.register(
+    registry.ModelInfo(
+        name="sevennet-0",
+        factory=sevennet.sevennet_0,
+        summary="SevenNet-0 (11 Jul 2024): universal potential, MPtrj (PBE/PBE+U)",
+        elements="89 (H-Pu)",
+        cutoff="5 Å",
+        dtype="float32",
+        licence="MIT (sevenn)",
+        extra="sevennet",
+        weights="ship in the sevenn wheel",
+        aliases=("7net-0",),
+    )
+)
 
 
 def available_models() -> list[str]:
-    """Names accepted by :func:`load_model`.
+    """Names accepted by :func:`load_model` (aliases included).
 
     Returns
     -------
     list of str
-        Sorted model names.
+        Sorted model names; :func:`nvalchemi_ase.models.registry.entries` has
+        what each one is.
     """
-    return sorted(_FACTORIES)
+    return registry.names()
 
 
 def load_model(name: str, **params: Any) -> BaseModelMixin:
@@ -107,12 +137,13 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
     """
     if not isinstance(name, str):
         raise TypeError(f"model name must be a str, got {type(name).__name__}")
-    factory = _FACTORIES.get(name.lower())
-    if factory is None:
+    info = registry.lookup(name)
+    if info is None:
         raise ValueError(
             f"unknown model {name!r}; known models: {', '.join(available_models())} "
             "(or pass any nvalchemi BaseModelMixin instance)"
         )
+    factory = info.factory
     accepted = list(inspect.signature(factory).parameters)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
