@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase.convert import _supported_elements
-from nvalchemi_ase.models import builtin, registry, sevennet
+from nvalchemi_ase.models import builtin, mace, registry, sevennet
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -95,6 +95,56 @@ registry.register(
         aliases=("7net-0",),
     )
 )
+_SEVENNET_WHEEL = {
+    "elements": "89 (H-Pu)",
+    "cutoff": "5 Å",
+    "dtype": "float32",
+    "licence": "MIT (sevenn)",
+    "extra": "sevennet",
+    "weights": "ship in the sevenn wheel",
+}
+for _name, _factory, _summary, _aliases in (
+    (
+        "sevennet-0-22may2024",
+        sevennet.sevennet_0_22may2024,
+        "SevenNet-0 (22 May 2024 release): MPtrj (PBE/PBE+U)",
+        ("7net-0_22may2024",),
+    ),
+    (
+        "sevennet-l3i5",
+        sevennet.sevennet_l3i5,
+        "SevenNet-l3i5 (lmax 3, 5 layers): MPtrj (PBE/PBE+U)",
+        ("7net-l3i5",),
+    ),
+    (
+        "sevennet-mf-0",
+        sevennet.sevennet_mf_0,
+        "SevenNet-MF-0, multi-fidelity: modal='pbe' (MPtrj) or 'r2scan' (MP r2SCAN)",
+        ("7net-mf-0",),
+    ),
+    (
+        "sevennet-mf-0-pbe",
+        sevennet.sevennet_mf_0_pbe,
+        "SevenNet-MF-0 on its PBE/PBE+U fidelity (MPtrj)",
+        (),
+    ),
+    (
+        "sevennet-mf-0-r2scan",
+        sevennet.sevennet_mf_0_r2scan,
+        "SevenNet-MF-0 on its r2SCAN fidelity (MP r2SCAN)",
+        (),
+    ),
+):
+    registry.register(
+        registry.ModelInfo(
+            name=_name,
+            factory=_factory,
+            summary=_summary,
+            aliases=_aliases,
+            **_SEVENNET_WHEEL,
+        )
+    )
+mace.register_models()
 
 
 def available_models() -> list[str]:

@@ -50,6 +50,9 @@ class ModelInfo:
         :func:`nvalchemi_ase.models.weights.weights_dir`; ``"none"``).
     aliases : tuple of str
         Other names for the same model.
+    weights_file : str or None
+        The file's name in the weights folder, for models read from it (lets
+        ``nvalchemi-ase models`` say whether it is there); None otherwise.
     """
 
     name: str
@@ -62,6 +65,7 @@ class ModelInfo:
     extra: str | None = None
     weights: str = "none"
     aliases: tuple[str, ...] = field(default=())
+    weights_file: str | None = None
 
     def as_row(self) -> dict[str, Any]:
         """Return the facts as a plain dict (tables, JSON), without the factory."""
@@ -75,6 +79,7 @@ class ModelInfo:
             "licence": self.licence,
             "extra": self.extra,
             "weights": self.weights,
+            "weights_file": self.weights_file,
         }
 
 

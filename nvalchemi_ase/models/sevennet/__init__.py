@@ -1,4 +1,11 @@
-"""SevenNet-0 as a batched nvalchemi model.
+"""SevenNet-0 and the other checkpoints of the ``sevenn`` wheel, batched.
+
+Four checkpoints ship in sevenn 0.13's wheel, all 89 elements, 5 Å, float32:
+SevenNet-0 (11 Jul 2024, :func:`sevennet_0`), its 22 May 2024 release
+(:func:`sevennet_0_22may2024`), SevenNet-l3i5 (lmax 3, :func:`sevennet_l3i5`)
+and the multi-fidelity SevenNet-MF-0 (:func:`sevennet_mf_0`, ``modal="pbe"``
+or ``"r2scan"``). They share one architecture and one wrapper; what follows
+says "SevenNet-0" for all of them.
 
 SevenNet-0 (``sevenn`` package, MIT licence; "7net-0", 11 Jul 2024) is a
 universal interatomic potential (NequIP-style E(3)-equivariant message passing,
@@ -36,6 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nvalchemi_ase.models.sevennet.loading import (
+    CHECKPOINTS,
     SEVENNET_0_CUTOFF,
     SEVENNET_EXTRA,
     build_network,
@@ -46,10 +54,16 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
+    "CHECKPOINTS",
     "CONVOLUTION_TILE_BYTES",
     "SEVENNET_0_CUTOFF",
     "SEVENNET_EXTRA",
     "sevennet_0",
+    "sevennet_0_22may2024",
+    "sevennet_l3i5",
+    "sevennet_mf_0",
+    "sevennet_mf_0_pbe",
+    "sevennet_mf_0_r2scan",
 ]
 
 
@@ -79,9 +93,90 @@ def sevennet_0() -> BaseModelMixin:
     >>> from nvalchemi_ase import NVAlchemiCalculator
     >>> calc = NVAlchemiCalculator(sevennet_0(), device="cpu")  # doctest: +SKIP
     """
+    return _wrapped("sevennet-0", "SevenNet-0")
+
+
+def sevennet_0_22may2024() -> BaseModelMixin:
+    """SevenNet-0's first release (22 May 2024): 89 elements, MPtrj, 5 Å, batched.
+
+    Returns
+    -------
+    BaseModelMixin
+        As :func:`sevennet_0`, with the 22 May 2024 weights.
+    """
+    return _wrapped("sevennet-0-22may2024", "SevenNet-0 (22May2024)")
+
+
+def sevennet_l3i5() -> BaseModelMixin:
+    """SevenNet-l3i5 (spherical harmonics up to l = 3, 5 layers): 89 elements, 5 Å.
+
+    Returns
+    -------
+    BaseModelMixin
+        As :func:`sevennet_0`, with the l3i5 weights (slower, more accurate).
+    """
+    return _wrapped("sevennet-l3i5", "SevenNet-l3i5")
+
+
+def sevennet_mf_0(modal: str | None = None) -> BaseModelMixin:
+    """SevenNet-MF-0, multi-fidelity (PBE and r2SCAN heads): 89 elements, 5 Å.
+
+    Parameters
+    ----------
+    modal : str
+        The fidelity: ``"pbe"`` (MPtrj, PBE/PBE+U) or ``"r2scan"`` (MP r2SCAN);
+        any case. Required, as in sevenn's calculator.
+
+    Returns
+    -------
+    BaseModelMixin
+        As :func:`sevennet_0`, evaluating the chosen fidelity for every structure.
+
+    Raises
+    ------
+    ValueError
+        Without ``modal`` or with an unknown one (the choices are named).
+    """
+    return _wrapped("sevennet-mf-0", "SevenNet-MF-0", modal, ("pbe", "r2scan"))
+
+
+def sevennet_mf_0_pbe() -> BaseModelMixin:
+    """SevenNet-MF-0 on its PBE fidelity (``sevennet_mf_0(modal="pbe")``).
+
+    Returns
+    -------
+    BaseModelMixin
+        See :func:`sevennet_mf_0`.
+    """
+    return sevennet_mf_0(modal="pbe")
+
+
+def sevennet_mf_0_r2scan() -> BaseModelMixin:
+    """SevenNet-MF-0 on its r2SCAN fidelity (``sevennet_mf_0(modal="r2scan")``).
+
+    Returns
+    -------
+    BaseModelMixin
+        See :func:`sevennet_mf_0`.
+    """
+    return sevennet_mf_0(modal="r2scan")
+
+
+def _wrapped(
+    name: str, label: str, modal: str | None = None, modals: tuple[str, ...] = ()
+) -> BaseModelMixin:
+    """Build checkpoint ``name``; ``modal`` is checked against ``modals`` first."""
     from nvalchemi_ase.models.sevennet.wrapper import wrapper_class
 
-    return wrapper_class()(build_network())  # type: ignore[no-any-return]
+    if modals and (not isinstance(modal, str) or modal.lower() not in modals):
+        raise ValueError(
+            f"{label} is multi-fidelity: choose modal= one of {list(modals)}, "
+            f"got {modal!r}"
+        )
+    if not modals and modal is not None:
+        raise ValueError(f"{label} has one fidelity; modal={modal!r} is not taken")
+    network = build_network(name)
+    return wrapper_class()(network, modal=modal, label=label)  # type: ignore[no-any-return]
 
 
 def __getattr__(name: str) -> Any:

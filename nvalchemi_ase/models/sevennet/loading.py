@@ -1,10 +1,11 @@
-"""Loading SevenNet-0 from the checkpoint inside the installed ``sevenn`` wheel.
+"""Loading SevenNet checkpoints from inside the installed ``sevenn`` wheel.
 
 Nothing is downloaded. The checkpoint is first shown to unpickle with
 ``torch.load(weights_only=True)`` (tensors, numpy arrays and plain containers
 only) before sevenn's own loader, which unpickles without restrictions, reads
 it; sevenn's prints and torch's ``torch.jit.script`` notice are kept off the
-terminal. Checked against sevenn 0.13.0 (checkpoint written by sevenn 0.9.1).
+terminal. Checked against sevenn 0.13.0 with the four checkpoints its wheel
+ships (:data:`CHECKPOINTS`; SevenNet-0 11Jul2024 written by sevenn 0.9.1).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from nvalchemi_ase._quiet import import_quietly
 
 __all__ = [
+    "CHECKPOINTS",
     "SEVENNET_0_CUTOFF",
     "SEVENNET_EXTRA",
     "build_network",
@@ -36,6 +38,13 @@ __all__ = [
 SEVENNET_0_CUTOFF = 5.0
 #: How to install the optional dependency.
 SEVENNET_EXTRA = 'pip install "nvalchemi-ase[sevennet]"'
+#: Checkpoints in the sevenn wheel: model name -> the ``sevenn._const`` path name.
+CHECKPOINTS = {
+    "sevennet-0": "SEVENNET_0_11Jul2024",
+    "sevennet-0-22may2024": "SEVENNET_0_22May2024",
+    "sevennet-l3i5": "SEVENNET_l3i5",
+    "sevennet-mf-0": "SEVENNET_MF_0",
+}
 
 
 def import_sevenn(module_name: str) -> Any:
@@ -45,18 +54,18 @@ def import_sevenn(module_name: str) -> Any:
             return import_quietly(module_name)
     except ImportError as exc:
         raise ImportError(
-            f"SevenNet-0 needs the 'sevenn' package ({exc}); install it with "
+            f"SevenNet needs the 'sevenn' package ({exc}); install it with "
             f"{SEVENNET_EXTRA}"
         ) from exc
 
 
-def checkpoint_path() -> str:
-    """Path of the SevenNet-0 checkpoint inside the installed ``sevenn`` wheel."""
+def checkpoint_path(name: str = "sevennet-0") -> str:
+    """Path of a checkpoint (a key of :data:`CHECKPOINTS`) inside the sevenn wheel."""
     constants = import_sevenn("sevenn._const")
-    path = str(constants.SEVENNET_0_11Jul2024)
+    path = str(getattr(constants, CHECKPOINTS[name]))
     if not os.path.isfile(path):
         raise FileNotFoundError(
-            f"the installed sevenn has no SevenNet-0 checkpoint at {path}; "
+            f"the installed sevenn has no {name} checkpoint at {path}; "
             f"reinstall it ({SEVENNET_EXTRA}); nvalchemi_ase never downloads weights"
         )
     return path
@@ -98,15 +107,18 @@ def check_checkpoint_is_data(path: str) -> Mapping[str, Any]:
     return content
 
 
-def build_network() -> torch.nn.Module:
-    """SevenNet-0's ``AtomGraphSequential`` in eval mode, weights frozen, on CPU."""
+def build_network(name: str = "sevennet-0") -> torch.nn.Module:
+    """Build a wheel checkpoint's ``AtomGraphSequential``: eval, frozen, on the CPU.
+
+    ``name`` is a key of :data:`CHECKPOINTS`.
+    """
     checkpoint_module = import_sevenn("sevenn.checkpoint")
-    path = checkpoint_path()
+    path = checkpoint_path(name)
     content = check_checkpoint_is_data(path)
     cutoff = float(content["config"]["cutoff"])
     if cutoff != SEVENNET_0_CUTOFF:
         raise ValueError(f"{path}: cutoff {cutoff} Å, expected {SEVENNET_0_CUTOFF}")
-    # The weights need sevenn's migration from the checkpoint's format (sevenn
+    # The weights need sevenn's migration from the checkpoint's format (e.g. sevenn
     # 0.9.1: old module layout and convolution weight order) to the installed
     # model code. ``SevenNetCheckpoint`` is the only entry point to it; it takes
     # a path and unpickles with ``weights_only=False`` itself. The file is the

@@ -46,16 +46,30 @@ class _SevenNetModule(torch.nn.Module):
     ----------
     network : torch.nn.Module
         sevenn's ``AtomGraphSequential`` (``cutoff`` and ``type_map`` set).
+    modal : str or None
+        The fidelity of a multi-fidelity checkpoint (a key of its
+        ``modal_map``, any case, e.g. ``"pbe"`` for SevenNet-MF-0); must be
+        None for a single-fidelity one.
+    label : str
+        The model's name in messages.
     """
 
     model_config: Any
     species_of_number: torch.Tensor
     supported_elements: frozenset[int]
+    #: Index of the chosen fidelity in the checkpoint's modal map, or None.
+    modal_index: int | None
+    #: The chosen fidelity's name as the checkpoint spells it, or None.
+    modal: str | None
 
-    def __init__(self, network: Any) -> None:
+    def __init__(
+        self, network: Any, modal: str | None = None, label: str = "SevenNet-0"
+    ) -> None:
         super().__init__()
         base = import_quietly("nvalchemi.models.base")
         self.network = network
+        self.label = label
+        self.modal, self.modal_index = _modal_choice(network, modal, label)
         self.cutoff = float(network.cutoff)
         self._layer_names = [name for name in network._modules if name not in _REPLACED]
         self._convolutions = {
@@ -101,7 +115,7 @@ class _SevenNetModule(torch.nn.Module):
         return {}
 
     def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
-        """Not available for SevenNet-0 in this wrapper.
+        """Not available for SevenNet in this wrapper.
 
         Parameters
         ----------
@@ -115,7 +129,7 @@ class _SevenNetModule(torch.nn.Module):
         NotImplementedError
             Always.
         """
-        raise NotImplementedError("the SevenNet-0 wrapper publishes no embeddings")
+        raise NotImplementedError("the SevenNet wrapper publishes no embeddings")
 
     # -- forward -----------------------------------------------------------------
 
@@ -145,7 +159,7 @@ class _SevenNetModule(torch.nn.Module):
         Raises
         ------
         ValueError
-            For an element SevenNet-0 was not trained on, or stress without a
+            For an element the checkpoint was not trained on, or stress without a
             cell.
         """
         active = set(self.model_config.active_outputs) & set(self.model_config.outputs)
@@ -157,7 +171,7 @@ class _SevenNetModule(torch.nn.Module):
             want_forces="forces" in active,
             want_stress="stress" in active,
             keep_graph=self.training or bool(data.positions.requires_grad),
-            model_name="SevenNet-0",
+            model_name=self.label,
         )
         out_dtype = data.positions.dtype
         return OrderedDict(
@@ -172,7 +186,7 @@ class _SevenNetModule(torch.nn.Module):
         if bool(unknown.any()):
             bad = sorted({int(z) for z in numbers[unknown].tolist()})
             raise ValueError(
-                f"SevenNet-0 was not trained on atomic number(s) {bad}; it knows "
+                f"{self.label} was not trained on atomic number(s) {bad}; it knows "
                 f"{self.num_species} elements"
             )
         return species
@@ -193,6 +207,14 @@ class _SevenNetModule(torch.nn.Module):
             "edge_index": graph.edge_index,
             "edge_vec": graph.edge_vectors,
         }
+        if self.modal_index is not None:
+            # one fidelity index per structure (sevenn's batched layout)
+            state["modal_type"] = torch.full(
+                (graph.num_graphs,),
+                self.modal_index,
+                dtype=torch.long,
+                device=species.device,
+            )
         for name in self._layer_names:
             layer = getattr(self.network, name)
             if name in self._convolutions:
@@ -206,22 +228,47 @@ class _SevenNetModule(torch.nn.Module):
     def _dtype(self) -> torch.dtype:
         dtype = next(self.network.parameters()).dtype
         if dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"SevenNet-0 runs in float32 or float64, not {dtype}")
+            raise TypeError(f"{self.label} runs in float32 or float64, not {dtype}")
         return dtype
 
 
-_WRAPPER_DOC = """SevenNet-0 as an nvalchemi model: a ``Batch`` in one forward pass.
+_WRAPPER_DOC = """A SevenNet checkpoint as an nvalchemi model: a ``Batch`` in one pass.
 
-Built by :func:`sevennet_0`; see that function and the module docstring for the
-outputs, units and conventions. ``model.network`` is sevenn's
+Built by :func:`sevennet_0` and its siblings; see that function and the
+module docstring for the outputs, units and conventions. ``model.network`` is sevenn's
 ``AtomGraphSequential`` (eval mode, frozen weights); its one-hot embedding,
 energy reduction and force/stress output are replaced by the wrapper's own.
 
 Parameters
 ----------
 network : torch.nn.Module
-    sevenn's ``AtomGraphSequential`` for SevenNet-0.
+    sevenn's ``AtomGraphSequential`` of a checkpoint.
+modal : str or None
+    Fidelity of a multi-fidelity checkpoint (``"pbe"``, ``"r2scan"`` for
+    SevenNet-MF-0); None for the others.
+label : str
+    The model's name in messages.
 """
+
+
+def _modal_choice(
+    network: Any, modal: str | None, label: str
+) -> tuple[str | None, int | None]:
+    """Return the checkpoint's spelling and index of fidelity ``modal`` (any case)."""
+    modal_map = dict(getattr(network, "modal_map", None) or {})
+    if not modal_map:
+        if modal is not None:
+            raise ValueError(f"{label} has one fidelity; modal={modal!r} is not taken")
+        return None, None
+    known = sorted(name.lower() for name in modal_map)
+    if modal is None:
+        raise ValueError(f"{label} is multi-fidelity: choose modal= one of {known}")
+    if not isinstance(modal, str):
+        raise TypeError(f"{label}: modal must be a str, got {type(modal).__name__}")
+    matches = [name for name in modal_map if name.lower() == modal.lower()]
+    if not matches:
+        raise ValueError(f"{label}: unknown modal {modal!r}; choose one of {known}")
+    return matches[0], int(modal_map[matches[0]])
 
 
 @functools.cache
