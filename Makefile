@@ -23,20 +23,27 @@ $(VENV)/.installed: pyproject.toml setup.cfg | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.cfg | $(PY)
-	$(PIP) install --quiet -e ".[test,sevennet]"
+	$(PIP) install --quiet -e ".[test,sevennet,mace]"
 	touch $@ $(VENV)/.installed
+
+# mace-torch pins e3nn==0.4.4, sevenn needs e3nn>=0.5: its other requirements come
+# with the [mace] extra above, mace-torch itself without its pin (runs on e3nn 0.6).
+MACE_TORCH := mace-torch==0.3.15
+$(VENV)/.installed-mace: $(VENV)/.installed-test
+	$(PIP) install --quiet --no-deps "$(MACE_TORCH)"
+	touch $@
 
 demo: $(VENV)/.installed
 	$(PY) -m nvalchemi_ase demo
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-mace
 	$(PY) -m mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: $(VENV)/.installed-test
+test-fast: $(VENV)/.installed-mace
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-bench: $(VENV)/.installed-test
+bench: $(VENV)/.installed-mace
 	$(PY) -m benchmarks
 
 lint: $(VENV)/.installed-test

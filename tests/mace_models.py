@@ -22,11 +22,14 @@ def build_random_mace(
     elements: tuple[int, ...] = TEST_ELEMENTS,
     *,
     r_max: float = TEST_CUTOFF,
-    channels: int = 16,
-    max_ell: int = 2,
+    channels: int = 8,
+    max_ell: int = 1,
+    correlation: int = 2,
+    radial_mlp: tuple[int, ...] = (16, 16),
     num_interactions: int = 2,
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    heads: list[str] | None = None,
 ) -> torch.nn.Module:
     """A ``mace.modules.ScaleShiftMACE`` with random weights (eval mode, CPU).
 
@@ -40,12 +43,18 @@ def build_random_mace(
         Scalar and vector channels of the hidden irreps (``{c}x0e + {c}x1o``).
     max_ell : int
         Largest spherical harmonic of the edge attributes.
+    correlation : int
+        Body order of the product basis, minus one.
+    radial_mlp : tuple of int
+        Hidden widths of the radial MLP (mace's default is 64, 64, 64).
     num_interactions : int
         Message-passing layers.
     seed : int
         Seeds torch's and NumPy's generators used for the weights.
     dtype : torch.dtype
         Dtype of the weights.
+    heads : list of str, optional
+        Readout heads (None: mace's single ``"Default"`` head).
 
     Returns
     -------
@@ -56,6 +65,18 @@ def build_random_mace(
     from mace import modules
 
     generator = np.random.default_rng(seed)
+    n_heads = 1 if heads is None else len(heads)
+    shape = (len(elements),) if heads is None else (n_heads, len(elements))
+    extra: dict[str, object] = {
+        "atomic_inter_scale": 1.3,
+        "atomic_inter_shift": -0.2,
+    }
+    if heads is not None:
+        extra = {
+            "heads": heads,
+            "atomic_inter_scale": [1.3 + 0.2 * i for i in range(n_heads)],
+            "atomic_inter_shift": [-0.2 + 0.1 * i for i in range(n_heads)],
+        }
     previous = torch.get_default_dtype()
     torch.manual_seed(seed)
     torch.set_default_dtype(dtype)
@@ -75,13 +96,13 @@ def build_random_mace(
             num_elements=len(elements),
             hidden_irreps=o3.Irreps(f"{channels}x0e + {channels}x1o"),
             MLP_irreps=o3.Irreps("16x0e"),
-            atomic_energies=generator.uniform(-5.0, -1.0, len(elements)),
+            atomic_energies=generator.uniform(-5.0, -1.0, shape),
             avg_num_neighbors=12.0,
             atomic_numbers=list(elements),
-            correlation=3,
+            correlation=correlation,
+            radial_MLP=list(radial_mlp),
             gate=torch.nn.functional.silu,
-            atomic_inter_scale=1.3,
-            atomic_inter_shift=-0.2,
+            **extra,
         )
     finally:
         torch.set_default_dtype(previous)
@@ -95,7 +116,13 @@ def save_random_mace(path: Path, **kwargs: object) -> Path:
 
 
 #: Arguments of the e3nn 0.4.4 fixture ``tests/data/mace_e3nn044.model``.
-LEGACY_FIXTURE_ARGS: dict[str, object] = {"channels": 8, "max_ell": 1, "seed": 1}
+LEGACY_FIXTURE_ARGS: dict[str, object] = {
+    "channels": 8,
+    "max_ell": 1,
+    "correlation": 3,
+    "radial_mlp": (64, 64, 64),
+    "seed": 1,
+}
 
 if __name__ == "__main__":  # writes the legacy fixture; see tests/data/README.md
     import sys
