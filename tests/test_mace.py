@@ -1,4 +1,4 @@
-"""MACE through nvalchemi's ``MACEWrapper``, against mace-torch's own ``MACECalculator``.
+"""MACE through nvalchemi's ``MACEWrapper``, against mace-torch's ``MACECalculator``.
 
 The model is a small random-weight ``ScaleShiftMACE`` built with mace-torch's
 constructors (``tests/mace_models.py``) and saved whole, as MACE saves models.
@@ -39,9 +39,10 @@ from tests.mace_models import (
     save_random_mace,
 )
 
-# Same weights, same dtype, two codes: round-off of different summation orders.
+# Same weights, same dtype, two codes: round-off of different summation orders
+# (energy eV, forces eV/Å, stress eV/Å³).
 TOLERANCES = {
-    torch.float64: {"energy": 1e-9, "forces": 1e-10, "stress": 1e-12},  # eV, eV/Å, eV/Å³
+    torch.float64: {"energy": 1e-9, "forces": 1e-10, "stress": 1e-12},
     torch.float32: {"energy": 2e-4, "forces": 2e-5, "stress": 2e-6},
 }
 LEGACY_FILE = Path(__file__).parent / "data" / "mace_e3nn044.model"
@@ -192,9 +193,7 @@ def test_the_legacy_reader_leaves_e3nn_as_it_was():
     assert CodeGenMixin.__setstate__ is before
 
 
-def test_a_missing_foundation_file_names_file_address_and_folder(
-    tmp_path, monkeypatch
-):
+def test_a_missing_foundation_file_names_file_address_and_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(WEIGHTS_ENV, str(tmp_path))
     entry = mace_models.FOUNDATIONS["mace-mp-0-medium"]
     with pytest.raises(MissingWeightsError) as caught:
@@ -234,7 +233,7 @@ def test_every_foundation_name_is_registered_with_its_facts():
 
 
 def test_bad_files_and_arguments_fail_clearly(tmp_path, model_file):
-    with pytest.raises(FileNotFoundError, match="nowhere.model"):
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.model"):
         load_model("mace", path=tmp_path / "nowhere.model")
     not_a_model = tmp_path / "dict.model"
     torch.save({"weights": torch.zeros(3)}, not_a_model)
