@@ -31,6 +31,7 @@ _COMMANDS = (
     ("elastic", "nvalchemi_ase.cli.elastic", "elastic constants, batched"),
     ("phonons", "nvalchemi_ase.cli.phonons", "phonons (phonopy) of every input"),
     ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
+    ("models", "nvalchemi_ase.cli.models", "list every model name and what it needs"),
     (
         "demo",
         "nvalchemi_ase.cli.demo",

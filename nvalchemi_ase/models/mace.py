@@ -78,7 +78,7 @@ _MP = "https://github.com/ACEsuit/mace-mp/releases/download"
 _OFF = "https://github.com/ACEsuit/mace-off/raw/main/mace_off23"
 _MP_ELEMENTS = "89 (H-Pu)"
 _OFF_ELEMENTS = "10 (H, C, N, O, F, P, S, Cl, Br, I)"
-_ASL = "ASL (Academic Software License; no commercial use)"
+_ASL = "ASL (academic, no commercial use)"
 
 
 @dataclass(frozen=True)
@@ -476,7 +476,7 @@ def register_models() -> None:
             summary="any MACE model file: load_model('mace', path='my.model')",
             elements="the file's z table",
             cutoff="the file's r_max",
-            dtype="the file's (dtype= to cast)",
+            dtype="the file's (dtype=)",
             licence="the file's",
             extra="mace",
             weights="path= (a file you have)",
@@ -490,7 +490,7 @@ def register_models() -> None:
                 summary=entry.summary,
                 elements=entry.elements,
                 cutoff=entry.cutoff,
-                dtype=f"{entry.dtype} (dtype= to cast)",
+                dtype=f"{entry.dtype} (dtype=)",
                 licence=entry.licence,
                 extra="mace",
                 weights=f"weights folder: {entry.filename} from {entry.url}",
