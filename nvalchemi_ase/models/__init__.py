@@ -18,7 +18,16 @@ name               model                                       parameters (units
                    elements (MPtrj, PBE), 5 Å cutoff, float32
                    weights, batched; extra ``sevennet``
                    (weights ship in the ``sevenn`` wheel)
+``"sevennet-*"``   the other checkpoints of the ``sevenn``     ``modal`` (MF-0:
+                   wheel: ``-0-22may2024``, ``-l3i5``,         ``"pbe"``,
+                   ``-mf-0`` (and ``-mf-0-pbe``, ``-r2scan``)  ``"r2scan"``)
+``"mace"``         any MACE model file, nvalchemi's            ``path``, ``dtype``,
+                   ``MACEWrapper`` (:mod:`.mace`)              ``head``
+``"mace-*"``       MACE foundation models from the weights     ``dtype``, ``head``
+                   folder (``mace-mp-0-medium``, ...)
 =================  ==========================================  =====================
+
+``nvalchemi-ase models`` lists every name with its facts (:mod:`.registry`).
 
 Parameters are checked by name and type before the model is built (a string
 such as ``epsilon="abc"`` is a ``TypeError`` naming the parameter and its unit).
