@@ -38,6 +38,7 @@ from tests.mace_models import (
     build_random_mace,
     save_random_mace,
 )
+from tests.structures import thermalize
 
 # Same weights, same dtype, two codes: round-off of different summation orders
 # (energy eV, forces eV/Å, stress eV/Å³).
@@ -46,9 +47,12 @@ TOLERANCES = {
     torch.float32: {"energy": 2e-4, "forces": 2e-5, "stress": 2e-6},
 }
 LEGACY_FILE = Path(__file__).parent / "data" / "mace_e3nn044.model"
-# NVE with the random-weight model: energy drift over NVE_STEPS of 0.5 fs, as a
-# fraction of the kinetic-energy excursion (measured ~1e-4).
-NVE_STEPS = 200
+# NVE with the random-weight model, 8 and 4 atoms from 600 K: spread of the total
+# energy over NVE_STEPS as a fraction of the kinetic energy's (measured: see
+# the test's last assertion message).
+NVE_STEPS = 60
+NVE_TIMESTEP = 1.0 * units.fs
+NVE_START_K = 600.0
 NVE_DRIFT_FRACTION = 2e-2
 
 
@@ -283,23 +287,21 @@ def test_conformance_kit(model_file):
 def test_nve_conserves_energy(model_file):
     model = load_model("mace", path=model_file)
     images = [
-        STRUCTURES["Si_diamond_16"](),
-        _rattled(bulk("Cu", "fcc", a=3.61, cubic=True).repeat((2, 2, 1)), 0.05, 9),
+        _rattled(bulk("Si", "diamond", a=5.43, cubic=True), 0.05, 8),
+        _rattled(bulk("Cu", "fcc", a=3.61, cubic=True), 0.05, 9),
     ]
-    rng = np.random.default_rng(0)
-    for atoms in images:
-        momenta = rng.normal(scale=0.3, size=(len(atoms), 3))
-        atoms.set_momenta(momenta - momenta.mean(axis=0))
-    dyn = VelocityVerlet(images, 0.5 * units.fs, model=model, dtype="float64")
+    for seed, atoms in enumerate(images):
+        thermalize(atoms, NVE_START_K, seed)
+    dyn = VelocityVerlet(images, NVE_TIMESTEP, model=model, dtype="float64")
     totals, kinetic = [], []
 
     def sample():
         totals.append([a.get_total_energy() for a in images])
         kinetic.append([a.get_kinetic_energy() for a in images])
 
-    dyn.attach(sample, interval=10)
+    dyn.attach(sample, interval=5)
     dyn.run(NVE_STEPS)
     drift = np.ptp(np.array(totals), axis=0)
     excursion = np.ptp(np.array(kinetic), axis=0)
-    assert (excursion > 0.05).all()  # the atoms did move energy around (eV)
+    assert (excursion > 0.01).all(), excursion  # kinetic <-> potential (eV)
     assert (drift < NVE_DRIFT_FRACTION * excursion).all(), (drift, excursion)
