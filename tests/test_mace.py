@@ -48,12 +48,12 @@ TOLERANCES = {
 }
 LEGACY_FILE = Path(__file__).parent / "data" / "mace_e3nn044.model"
 # NVE with the random-weight model, 8 and 4 atoms from 600 K: spread of the total
-# energy over NVE_STEPS as a fraction of the kinetic energy's (measured: see
-# the test's last assertion message).
+# energy over NVE_STEPS as a fraction of the kinetic energy's (measured 9.8e-5
+# and 3.9e-5; excursions 0.055 and 0.011 eV).
 NVE_STEPS = 60
 NVE_TIMESTEP = 1.0 * units.fs
 NVE_START_K = 600.0
-NVE_DRIFT_FRACTION = 2e-2
+NVE_DRIFT_FRACTION = 2e-3
 
 
 def _rattled(atoms: Atoms, stdev: float, seed: int) -> Atoms:
