@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvalchemi_ase import devices
 from nvalchemi_ase._compat import (
     eager_call,
     empty_neighbor_rows,
@@ -285,7 +286,7 @@ def _list_still_holds(hook: Any, batch: Batch) -> bool:
     same atoms and systems, the same cells, and no atom moved more than
     ``skin / 2`` since the list was built.
     """
-    if batch.positions.device.type != "cpu" or hook.skin <= 0.0:
+    if not devices.host_reads_are_free(batch.positions.device) or hook.skin <= 0.0:
         return False
     reference, allocated_atoms, allocated_systems = neighbor_hook_reference(hook)
     if (
