@@ -146,7 +146,7 @@ class EOSResult(MaterialResult):
                 f"material {self.index} ({self.formula}) has no EOS frames to "
                 f"write: {self.error or 'it was not computed'}"
             )
-        ase.io.write(filename, self.frames, format=format)
+        ase.io.write(os.fspath(filename), self.frames, format=format)
 
 
 def equation_of_state(
