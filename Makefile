@@ -3,6 +3,7 @@
 #   make test   same .venv, install the test extras, mypy, the whole test suite
 #               (the suite runs ruff itself: tests/test_package.py)
 #   make test-fast   the suite without tests marked slow (< 2 min), for iterating
+#   make notebooks   regenerate tutorials/*.ipynb from tutorials/*.py
 # pip (not uv): pip takes the torch builds cached on this machine.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # extra pytest arguments, e.g. make test-fast PYTEST_ARGS="--durations=15 -x"
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench notebooks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,10 @@ test-fast: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(PY) -m benchmarks
+
+# the tutorials' notebooks from their scripts (tests/test_tutorials.py checks they agree)
+notebooks: $(VENV)/.installed-test
+	$(VENV)/bin/jupytext --to ipynb --set-kernel python3 tutorials/[0-9][0-9]_*.py
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check nvalchemi_ase tests tutorials benchmarks
