@@ -125,6 +125,11 @@ def load_trajectories(
             "(paths, lists of Atoms or Frames); wrap a single one in a list"
         )
     count = len(trajectories)
+    if count and isinstance(trajectories[0], Atoms):
+        raise TypeError(
+            "trajectories[0] is an Atoms: give one entry per structure (a list "
+            "of frames each); wrap a single one in a list"
+        )
     if count == 0:
         raise ValueError("trajectories is empty: give one entry per structure")
     intervals = _intervals(frame_interval, count)
