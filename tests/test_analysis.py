@@ -395,3 +395,120 @@ def test_bad_inputs_name_the_structure_and_the_fix(tmp_path):
         velocity_autocorrelation([good], units.fs, window=2)
     with pytest.raises(TypeError, match="wrap a single one in a list"):
         mean_squared_displacement(good, units.fs)  # type: ignore[arg-type]
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def read_csv(path):
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))
+    return rows[0], rows[1:]
+
+
+def test_cli_rdf_writes_each_structure_as_the_api_computes_it(streamed_run, tmp_path):
+    import json
+
+    from nvalchemi_ase.cli.main import main
+
+    _, _, paths = streamed_run
+    prefix = tmp_path / "out" / ""
+    argv = ["rdf", *map(str, paths), "--rmax", "5.5", "--nbins", "30", "--quiet"]
+    assert main([*argv, "--file-prefix", f"{prefix}/"]) == 0
+    expected = radial_distribution(paths, 5.5, 30)
+    for path, result in zip(paths, expected, strict=True):
+        header, rows = read_csv(prefix / f"{path.stem}-rdf.csv")
+        table = np.array(rows, dtype=float)
+        assert header[:2] == ["r_A", "g"]
+        np.testing.assert_allclose(table[:, 1], result.g, rtol=1e-9, atol=1e-9)
+        for (a, b), values in result.partial.items():
+            column = table[:, header.index(f"g_{a}-{b}")]
+            np.testing.assert_allclose(column, values, rtol=1e-9, atol=1e-9)
+        assert (prefix / f"{path.stem}-rdf.png").stat().st_size > 0
+    summary = json.loads((prefix / "rdf-summary.json").read_text())
+    assert [entry["n_frames"] for entry in summary["results"]] == [21, 21]
+    # existing outputs are kept without --overwrite; too large rmax names the file
+    assert main([*argv, "--file-prefix", f"{prefix}/"]) == 2
+    bad = ["rdf", str(paths[0]), "--rmax", "6.5", "--file-prefix", f"{tmp_path}/b/"]
+    assert main(bad) == 2
+
+
+def test_cli_diffusion_matches_the_api_and_reads_the_frame_interval(
+    streamed_run, tmp_path, capsys
+):
+    import json
+
+    from nvalchemi_ase.cli.main import main
+
+    _, _, paths = streamed_run
+    options = ["--window", "6", "--block-length", "7", "--viscosity", "--quiet"]
+    first, second = tmp_path / "header", tmp_path / "given"
+    assert (
+        main(["diffusion", *map(str, paths), *options, "--file-prefix", f"{first}/"])
+        == 0
+    )
+    # the run: timestep 5 fs, a frame every 2 steps (what the .traj header says)
+    given = ["--timestep", "5", "--traj-every", "2", "--no-plot"]
+    assert (
+        main(
+            [
+                "diffusion",
+                *map(str, paths),
+                *options,
+                *given,
+                "--file-prefix",
+                f"{second}/",
+            ]
+        )
+        == 0
+    )
+    header, rows = read_csv(first / "diffusion-results.csv")
+    assert read_csv(second / "diffusion-results.csv") == (header, rows)
+    msd = mean_squared_displacement(paths, window=6, block_length=7)
+    vacf = velocity_autocorrelation(paths, window=6, block_length=7)
+    eta = shear_viscosity(paths, window=6, block_length=7)
+    for index, row in enumerate(rows):
+        values = dict(zip(header, row, strict=True))
+        assert float(values["D_msd_cm2_s"]) == pytest.approx(
+            msd[index].diffusion_cm2_s, rel=1e-3
+        )
+        assert float(values["D_vacf_cm2_s"]) == pytest.approx(
+            vacf[index].diffusion_cm2_s, rel=1e-3
+        )
+        assert float(values["viscosity_mPa_s"]) == pytest.approx(
+            eta[index].viscosity, rel=1e-3
+        )
+        stem = paths[index].stem
+        curve_header, curve = read_csv(first / f"{stem}-msd.csv")
+        np.testing.assert_allclose(
+            np.array(curve, dtype=float)[:, 1], msd[index].curve, rtol=1e-9, atol=1e-12
+        )
+        assert (first / f"{stem}-diffusion.png").stat().st_size > 0
+        assert not (second / f"{stem}-diffusion.png").exists()
+    summary = json.loads((first / "diffusion-summary.json").read_text())
+    assert set(summary["results"][1]) == {"name", "msd", "vacf", "viscosity"}
+    assert summary["results"][1]["msd"]["diffusion_by_element_A2_per_fs"].keys() == {
+        "Ar",
+        "Kr",
+    }
+
+
+def test_cli_diffusion_needs_a_frame_interval_for_extxyz(tmp_path, capsys):
+    from nvalchemi_ase.cli.main import main
+
+    frames, _ = ballistic("Ar4", np.diag([9.0, 9.0, 9.0]), 30, 0, 5.0)
+    path = tmp_path / "run.extxyz"
+    write(path, frames)
+    out = f"{tmp_path}/out/"
+    assert main(["diffusion", str(path), "--file-prefix", out, "--quiet"]) == 2
+    assert "--timestep FS and --traj-every" in capsys.readouterr().err
+    assert (
+        main(
+            ["diffusion", str(path), "--timestep", "5", "--file-prefix", out, "--quiet"]
+        )
+        == 0
+    )
+    header, rows = read_csv(tmp_path / "out" / "diffusion-results.csv")
+    assert len(rows) == 1

@@ -6,7 +6,8 @@ unwrapped positions (:mod:`~nvalchemi_ase.analysis.unwrap`) and, by default, eac
 structure's centre-of-mass drift removed. In three dimensions
 ``MSD(t) → 6 D t + c`` once motion is diffusive, so ``D = slope / 6``, fitted by
 least squares over ``fit_window_fs`` (default: the middle 20–80 % of the lag
-range, skipping the ballistic start and the noisy end). Uncertainty: block
+range, skipping the ballistic start and the noisy end; the last two lags
+when that range holds fewer). Uncertainty: block
 standard error (:mod:`~nvalchemi_ase.analysis.diffusion`).
 
 Units: positions Å, time between frames ASE time units in, lag times fs out,
@@ -219,6 +220,8 @@ def _fit_mask(
         if not start < end:
             raise ValueError(f"fit_window_fs must be (start, end), got {fit_window_fs}")
     mask = (lag_fs >= start - 1e-9) & (lag_fs <= end + 1e-9)
+    if fit_window_fs is None and mask.sum() < 2:  # a short window: the last lags
+        mask = np.arange(lag_fs.size) >= max(lag_fs.size - 2, 0)
     if mask.sum() < 2:
         raise ValueError(
             f"the MSD fit window ({start:g}, {end:g}) fs holds {int(mask.sum())} "

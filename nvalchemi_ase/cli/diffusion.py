@@ -103,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
     )
     staged = _claim(args, outputs, names)
     frames = read_trajectories(inputs, interval)
+    for spec, item in zip(inputs, frames, strict=True):
+        if item.frame_interval is None:
+            raise CommandError(
+                f"{spec}: time between frames unknown (no .traj header with the "
+                "MD timestep); give --timestep FS and --traj-every STEPS"
+            )
     try:
         results = _compute(args, frames)
     except ValueError as error:
