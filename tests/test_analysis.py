@@ -397,7 +397,7 @@ def test_bad_inputs_name_the_structure_and_the_fix(tmp_path):
         mean_squared_displacement(good, units.fs)  # type: ignore[arg-type]
 
 
-# -- command line ------------------------------------------------------------------------
+# -- command line ----------------------------------------------------------------
 
 
 def read_csv(path):
@@ -482,6 +482,7 @@ def test_cli_diffusion_matches_the_api_and_reads_the_frame_interval(
         )
         stem = paths[index].stem
         curve_header, curve = read_csv(first / f"{stem}-msd.csv")
+        assert curve_header[:2] == ["lag_fs", "msd_A2"]
         np.testing.assert_allclose(
             np.array(curve, dtype=float)[:, 1], msd[index].curve, rtol=1e-9, atol=1e-12
         )
@@ -511,4 +512,5 @@ def test_cli_diffusion_needs_a_frame_interval_for_extxyz(tmp_path, capsys):
         == 0
     )
     header, rows = read_csv(tmp_path / "out" / "diffusion-results.csv")
+    assert header[0] == "trajectory"
     assert len(rows) == 1
