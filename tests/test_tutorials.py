@@ -17,12 +17,13 @@ EXPECTED = {
     "04_custom_integrator.py": ["verlet_0.traj", "bussi_0.traj"],
     "05_analysis.py": ["npt.png", "npt_3.traj"],
     "06_neb.py": ["neb_bands.png", "neb.traj"],
+    "07_md_analysis.py": ["liquid_2.traj", "rdf_0.png", "transport_0.png"],
 }
 
 
-def test_all_six_tutorials_exist():
+def test_all_seven_tutorials_exist():
     numbers = [path.name[:2] for path in TUTORIALS]
-    assert numbers == ["01", "02", "03", "04", "05", "06"]
+    assert numbers == ["01", "02", "03", "04", "05", "06", "07"]
 
 
 @pytest.mark.slow

@@ -260,7 +260,8 @@ def pair_counts(
         Σ weight of the pairs in each bin (ASE's ``ceil(d/dr)`` binning).
     """
     device = displacement.device
-    out = torch.zeros(n_types * (nbins + 1), dtype=torch.float64, device=device)
+    width = nbins + 2  # bin 0: d = 0, bins 1..nbins, bin nbins+1: beyond rmax
+    out = torch.zeros(n_types * width, dtype=torch.float64, device=device)
     shifts = _SHIFTS.to(device)
     dr = rmax / nbins
     for start in range(0, displacement.shape[0], _PAIR_CHUNK):
@@ -273,11 +274,10 @@ def pair_counts(
         image = torch.where(periodic[:, None], shifts[None], torch.zeros_like(shifts))
         candidates = torch.einsum("psi,pij->psj", frac[:, None] + image, h)
         distance = torch.linalg.vector_norm(candidates, dim=-1).min(dim=1).values
-        index = torch.ceil(distance / dr).long()
-        keep = (distance > 0) & (index <= nbins)
-        flat = kind[part][keep] * (nbins + 1) + index[keep]
-        out.index_add_(0, flat, weight[part][keep].to(torch.float64))
-    return out.reshape(n_types, nbins + 1)[:, 1:]
+        index = torch.ceil(distance / dr).long().clamp(0, nbins + 1)
+        flat = kind[part] * width + index  # no boolean mask: no host sync
+        out.index_add_(0, flat, weight[part].to(torch.float64))
+    return out.reshape(n_types, width)[:, 1 : nbins + 1]
 
 
 def shell_volumes(rmax: float, nbins: int) -> FloatArray:
