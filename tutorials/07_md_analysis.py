@@ -64,16 +64,21 @@ print("temperatures [K]:", [round(a.get_temperature()) for a in images])
 dyn = VelocityVerlet(
     images, 10 * units.fs, trajectory=str(OUT / "liquid_{i}.traj"), loginterval=2
 )
-transport = TransportObserver(dyn, window=50, block_length=60)
+transport = TransportObserver(dyn, window=75, block_length=100)
 rdf = RDFObserver(dyn, rmax=8.0, nbins=80)
 dyn.attach(transport, interval=2)
 dyn.attach(rdf, interval=10)
 dyn.run(600)
 
-msd, vacf, eta = transport.msd(), transport.vacf(), transport.viscosity()
-for T, m, v, e in zip(temperatures, msd, vacf, eta, strict=True):
+# The MSD slope at lag t is 6 × the running Green–Kubo integral at t, so the
+# Einstein fit starts where that integral has levelled off (~0.5 ps here).
+fit = (500.0, 1480.0)  # fs
+msd, vacf = transport.msd(fit_window_fs=fit), transport.vacf()
+eta = transport.viscosity()
+for m, v, e in zip(msd, vacf, eta, strict=True):
     print(
-        f"{T:5.0f} K  D_MSD = {m.diffusion_cm2_s:.2e} ± {m.diffusion_error_cm2_s:.1e}"
+        f"{e.temperature_K:5.0f} K"
+        f"  D_MSD = {m.diffusion_cm2_s:.2e} ± {m.diffusion_error_cm2_s:.1e}"
         f"  D_VACF = {v.diffusion_cm2_s:.2e} ± {v.diffusion_error_cm2_s:.1e} cm²/s"
         f"  η = {e.viscosity:.2f} ± {e.viscosity_error:.2f} mPa·s"
     )
@@ -86,7 +91,10 @@ for T, m, v, e in zip(temperatures, msd, vacf, eta, strict=True):
 
 # %%
 from_files = mean_squared_displacement(
-    [OUT / f"liquid_{i}.traj" for i in range(3)], window=50, block_length=60
+    [OUT / f"liquid_{i}.traj" for i in range(3)],
+    window=75,
+    block_length=100,
+    fit_window_fs=fit,
 )
 print(
     "streamed == files:",
@@ -111,9 +119,13 @@ subprocess.run(
         "diffusion",
         *[str(OUT / f"liquid_{i}.traj") for i in range(3)],
         "--window",
-        "50",
+        "75",
         "--block-length",
-        "60",
+        "100",
+        "--fit-start",
+        "500",
+        "--fit-end",
+        "1480",
         "--file-prefix",
         str(OUT / "cli") + "/",
         "--overwrite",

@@ -7,7 +7,10 @@ structure's centre-of-mass drift removed. In three dimensions
 ``MSD(t) → 6 D t + c`` once motion is diffusive, so ``D = slope / 6``, fitted by
 least squares over ``fit_window_fs`` (default: the middle 20–80 % of the lag
 range, skipping the ballistic start and the noisy end; the last two lags
-when that range holds fewer). Uncertainty: block
+when that range holds fewer). Since ``dMSD/dt = 6 D_GK(t)``, the running
+Green–Kubo integral of :mod:`~nvalchemi_ase.analysis.vacf`, a fit over lags
+where that integral still overshoots (dense liquids: below ~0.5 ps) biases D
+high: start the fit where ``running_diffusion`` is flat. Uncertainty: block
 standard error (:mod:`~nvalchemi_ase.analysis.diffusion`).
 
 Units: positions Å, time between frames ASE time units in, lag times fs out,
