@@ -23,6 +23,7 @@ EXPECTED = {
     "04_custom_integrator": ["verlet_0.traj", "bussi_0.traj"],
     "05_analysis": ["npt.png", "npt_3.traj"],
     "06_neb": ["neb_bands.png", "neb.traj"],
+    "07_md_analysis": ["liquid_2.traj", "rdf_0.png", "transport_0.png"],
 }
 # what a notebook user must see in the cells' outputs (MIME types)
 DISPLAYED = {
@@ -40,9 +41,9 @@ def _cells(notebook):
     return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
 
 
-def test_all_six_tutorials_exist_as_scripts_and_notebooks():
+def test_all_seven_tutorials_exist_as_scripts_and_notebooks():
     numbers = [path.name[:2] for path in TUTORIALS]
-    assert numbers == ["01", "02", "03", "04", "05", "06"]
+    assert numbers == ["01", "02", "03", "04", "05", "06", "07"]
     for path in TUTORIALS:
         assert path.with_suffix(".ipynb").is_file(), path.name
 

@@ -31,6 +31,12 @@ _COMMANDS = (
     ("elastic", "nvalchemi_ase.cli.elastic", "elastic constants, batched"),
     ("phonons", "nvalchemi_ase.cli.phonons", "phonons (phonopy) of every input"),
     ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
+    ("rdf", "nvalchemi_ase.cli.rdf", "radial distribution functions of trajectories"),
+    (
+        "diffusion",
+        "nvalchemi_ase.cli.diffusion",
+        "self-diffusion (MSD, VACF) and viscosity of trajectories",
+    ),
     (
         "demo",
         "nvalchemi_ase.cli.demo",
