@@ -46,12 +46,14 @@ __all__ = [
     "npt_operators",
     "open_hooks",
     "pipeline_all_done",
+    "pipeline_batch_sources",
     "pipeline_hook_inner",
     "pipeline_policy",
     "pipeline_sources",
     "pipeline_start",
     "prime_engine",
     "seed_neighbor_hook",
+    "write_neighbor_hook_lists",
 ]
 
 
@@ -364,6 +366,15 @@ def pipeline_policy(model: Any) -> dict[str, Any]:
     }
 
 
+def pipeline_batch_sources(batch: Batch) -> Any:
+    """Return the sources a pipeline's neighbour hook left on ``batch``, or None.
+
+    The tuple ``_PipelineNeighborListHook`` stores as the batch's
+    ``_pipeline_neighbor_sources`` (compared by identity, never read).
+    """
+    return batch.__dict__.get("_pipeline_neighbor_sources")
+
+
 def pipeline_hook_inner(hook: Any) -> list[Any]:
     """Return the inner ``NeighborListHook`` list of a ``_PipelineNeighborListHook``.
 
@@ -478,6 +489,12 @@ def empty_neighbor_rows(hook: Any, rows: torch.Tensor, batch: Batch) -> None:
     if hook._neighbor_matrix_shifts is not None:
         hook._neighbor_matrix_shifts[rows] = 0
     _write_hook_lists(hook, batch)
+
+
+def write_neighbor_hook_lists(hook: Any, batch: Batch) -> None:
+    """Write a built ``NeighborListHook``'s list into ``batch``'s neighbour fields."""
+    if hook._neighbor_matrix is not None:
+        _write_hook_lists(hook, batch)
 
 
 def _set_hook_lists(
