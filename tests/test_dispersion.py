@@ -124,7 +124,7 @@ def test_zero_damping_is_refused_with_the_reason():
 
 
 def test_unknown_functional_suggests_close_names():
-    with pytest.raises(ValueError, match="did you mean.*b3lyp"):
+    with pytest.raises(ValueError, match=r"did you mean.*b3lyp"):
         load_model("d3", functional="b3lip")
 
 

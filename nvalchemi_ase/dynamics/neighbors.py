@@ -43,7 +43,7 @@ from nvalchemi_ase._compat import (
     write_neighbor_hook_lists,
 )
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.models.composition import neighbor_hook_for
+from nvalchemi_ase.models.composition import composed_parts, neighbor_hook_for
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -75,7 +75,9 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
         The model whose ``NeighborConfig`` (cutoff, format, half list) is used.
     skin : float
         Verlet skin, Å: the list is built to ``cutoff + skin`` and rebuilt only
-        when an atom moved more than ``skin / 2`` since the last build.
+        when an atom moved more than ``skin / 2`` since the last build. A list
+        read whole by D3 (whose coordination numbers sum every listed pair)
+        takes no skin: it is rebuilt exactly at the cutoff every step.
 
     Returns
     -------
@@ -85,9 +87,15 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
         reached nvalchemi's list code.
     """
     stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+    exact = [
+        part.model_config.neighbor_config.cutoff
+        for part in composed_parts(model)
+        if _needs_exact_list(part)
+    ]
 
     def make(config: Any) -> Any:
-        return _skipping_hook_class()(config, skin=skin, stage=stages.BEFORE_COMPUTE)
+        own = 0.0 if any(abs(c - config.cutoff) < 1e-6 for c in exact) else skin
+        return _skipping_hook_class()(config, skin=own, stage=stages.BEFORE_COMPUTE)
 
     pipeline_hook = neighbor_hook_for(model, make)
     if pipeline_hook is not None:
@@ -96,6 +104,18 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
     if config is None:
         return []
     return [make(config)]
+
+
+def _needs_exact_list(model: Any) -> bool:
+    """Whether ``model`` reads every listed pair, so its list takes no skin.
+
+    nvalchemiops' D3 kernel counts coordination numbers over every neighbour
+    in the list, with no cutoff of its own: a list built to ``cutoff + skin``
+    would change its energies (1e-6 Å over ten MD steps of a Cu slab).
+    """
+    return model.model_config.neighbor_config is not None and any(
+        cls.__name__ == "DFTD3ModelWrapper" for cls in type(model).__mro__
+    )
 
 
 def is_neighbor_hook(hook: object) -> bool:

@@ -199,7 +199,7 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
             f"keyword parameters, got {unknown}; put a part's parameters in its "
             "parentheses, e.g. 'lj(epsilon=0.01)+d3(pbe, cutoff=20)'"
         )
-    models = [_load_one(*_part_call(part, name)) for part in parts]
+    models = [_load_one(*_part_call(part, name), whole=name) for part in parts]
     return composition.compose(*models, **params)
 
 
@@ -264,11 +264,13 @@ def _unknown(part: str, whole: str) -> NoReturn:
     )
 
 
-def _load_one(name: str, params: dict[str, Any]) -> BaseModelMixin:
+def _load_one(
+    name: str, params: dict[str, Any], whole: str | None = None
+) -> BaseModelMixin:
     """Build one registered model from its name and keyword parameters."""
     info = registry.lookup(name)
     if info is None:
-        _unknown(name, name)
+        _unknown(name, whole or name)
     factory = info.factory
     accepted = list(inspect.signature(factory).parameters)
     unknown = sorted(set(params) - set(accepted))
