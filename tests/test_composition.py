@@ -255,3 +255,60 @@ def test_memory_estimate_adds_the_parts(parts, composed):
     split = [memory_estimate(p, torch.float64, "cpu") for p in parts]
     assert whole.bytes_per_atom == pytest.approx(sum(e.bytes_per_atom for e in split))
     assert SimpleNamespace(basis=whole.basis).basis.startswith("sum of its parts")
+
+
+@pytest.mark.slow
+def test_sevennet_plus_d3_is_the_sum_of_its_parts():
+    pytest.importorskip("sevenn")
+    import torch
+
+    from tests._tolerances import EXACT
+
+    structures = _structures()
+    properties = ["energy", "forces", "stress"]
+    composed = load_model("sevennet-0+d3")
+    assert [type(p).__name__ for p in composed_parts(composed)] == [
+        "SevenNetWrapper",
+        "DFTD3",
+    ]
+    parts = composed_parts(composed)
+    calc = NVAlchemiCalculator(composed, device="cpu", dtype="float32")
+    results = calc.calculate_batch(structures, properties)
+    runs = [
+        NVAlchemiCalculator(p, device="cpu", dtype="float32").calculate_batch(
+            structures, properties
+        )
+        for p in parts
+    ]
+    tol = EXACT[torch.float32]
+    for mine, a, b in zip(results, *runs, strict=True):
+        for key in ("energy", "forces", "stress"):
+            if key in mine:
+                np.testing.assert_allclose(
+                    mine[key], a[key] + b[key], rtol=tol, atol=tol, err_msg=key
+                )
+
+
+def test_langevin_restart_of_a_composed_model_is_exact(composed, tmp_path):
+    """Both lists go into the checkpoint and come back (per-list state)."""
+    from nvalchemi_ase.md import Langevin
+
+    def make(restart=None):
+        images = _spread()
+        calc = NVAlchemiCalculator(composed, device="cpu", dtype="float64")
+        for atoms in images:
+            atoms.calc = calc
+        dyn = Langevin(
+            images, 1.0, temperature_K=50.0, friction=0.01, seed=5, restart=restart
+        )
+        return images, dyn
+
+    reference, dyn = make()
+    dyn.run(6)
+    path = tmp_path / "md.npz"
+    _, first = make(restart=path)
+    first.run(3)
+    continued, second = make(restart=path)
+    second.run(3)
+    for want, got in zip(reference, continued, strict=True):
+        np.testing.assert_array_equal(got.positions, want.positions)
