@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml setup.cfg | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.cfg | $(PY)
-	$(PIP) install --quiet -e ".[test,sevennet]"
+	$(PIP) install --quiet -e ".[test,sevennet,d3]"
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed
