@@ -1,4 +1,4 @@
-"""Batched property workflows: EOS, elastic constants, phonons, vibrations.
+"""Batched property workflows: EOS, elastic, phonons, vibrations, surfaces, defects.
 
 Every function takes a list of materials and a model (a name, an nvalchemi
 model or an :class:`~nvalchemi_ase.calculator.NVAlchemiCalculator`), builds
@@ -19,24 +19,37 @@ function                   result (units)                      library for the f
 ``phonons``                force constants eV/Å², THz on a     phonopy (extra
                            path and a mesh, DOS                ``properties``)
 ``vibrations``             Hessian eV/Å², cm⁻¹ / THz           ``ase.vibrations``
+``surface_energies``       γ eV/Å² and J/m² per facet          ``ase.build.surface``
+``adsorption_energies``    E_ads eV per adsorbate and site     ``ase.build``
+``defect_formation_        E_f eV per defect (vacancy,         ``ase.build``
+energies``                 interstitial, substitution)
 =========================  ==================================  ===================
 """
 
 from __future__ import annotations
 
+from nvalchemi_ase.properties.adsorption import AdsorptionResult, adsorption_energies
+from nvalchemi_ase.properties.defects import DefectResult, defect_formation_energies
 from nvalchemi_ase.properties.elastic import ElasticResult, elastic_constants, moduli
 from nvalchemi_ase.properties.eos import EOSResult, equation_of_state
 from nvalchemi_ase.properties.phonons import PhononResult, phonons
+from nvalchemi_ase.properties.surfaces import SurfaceResult, surface_energies
 from nvalchemi_ase.properties.vibrations import VibrationResult, vibrations
 
 __all__ = [
+    "AdsorptionResult",
+    "DefectResult",
     "EOSResult",
     "ElasticResult",
     "PhononResult",
+    "SurfaceResult",
     "VibrationResult",
+    "adsorption_energies",
+    "defect_formation_energies",
     "elastic_constants",
     "equation_of_state",
     "moduli",
     "phonons",
+    "surface_energies",
     "vibrations",
 ]
