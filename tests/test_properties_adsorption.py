@@ -100,7 +100,8 @@ def test_hollow_sites_bind_more_than_ontop(nn_calc):
         fmax=1e-3,
     )
     ontop, fcc, hcp = result.adsorption_energies
-    assert fcc < ontop < 0 and hcp < ontop
+    assert fcc < ontop < 0
+    assert hcp < ontop
     # three bonds in a hollow at best: no more binding than 3 u
     assert fcc >= 3 * BOND - 1e-3
 
@@ -112,7 +113,8 @@ def test_failures_are_isolated_per_slab(nn_calc):
     results = adsorption_energies(
         [overlapping, good], "Ar", ["ontop"], nn_calc, relax=False
     )
-    assert not results[0].ok and "invalid structure" in results[0].error
+    assert not results[0].ok
+    assert "invalid structure" in results[0].error
     assert results[0].adsorption_energies is None
     assert results[1].ok
     assert results[1].slab_energy == pytest.approx(

@@ -146,7 +146,7 @@ def test_largest_void_is_the_octahedral_site():
 
 def test_compound_needs_chemical_potentials_and_failures_are_isolated(nn_calc):
     nacl = bulk("NaCl", "rocksalt", a=5.6, cubic=True)
-    with pytest.raises(ValueError, match="material 0 .*V_Na.*chemical_potentials"):
+    with pytest.raises(ValueError, match=r"material 0 .*V_Na.*chemical_potentials"):
         defect_formation_energies(nacl, nn_calc, relax=False)
     not_bulk = bulk("Ar", "fcc", a=A_AR, cubic=True)
     not_bulk.pbc = (True, True, False)
@@ -154,9 +154,11 @@ def test_compound_needs_chemical_potentials_and_failures_are_isolated(nn_calc):
     results = defect_formation_energies(
         [not_bulk, nacl], nn_calc, chemical_potentials=mu, relax=False
     )
-    assert not results[0].ok and "periodic" in results[0].error
+    assert not results[0].ok
+    assert "periodic" in results[0].error
     assert results[0].formation_energies is None
-    assert results[1].ok and results[1].defects == ["V_Na", "V_Cl"]
+    assert results[1].ok
+    assert results[1].defects == ["V_Na", "V_Cl"]
     e_bulk = results[1].bulk_energy
     np.testing.assert_allclose(
         results[1].formation_energies,

@@ -121,7 +121,7 @@ def energies(
 
 
 def with_energy(atoms: Atoms, energy: float, **info: object) -> Atoms:
-    """A copy of ``atoms`` carrying ``energy`` (eV) for ASE's writers.
+    """Copy ``atoms`` with ``energy`` (eV) attached for ASE's writers.
 
     Parameters
     ----------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -210,9 +211,7 @@ def adsorption_energies(
             continue
         built = ledger.guard(
             index,
-            lambda slab=slab: _configurations(
-                slab, molecules, site_list, height, mol_index
-            ),
+            partial(_configurations, slab, molecules, site_list, height, mol_index),
             "placing the adsorbates",
         )
         if built is None:
@@ -255,8 +254,7 @@ def adsorption_energies(
             if not ledger.alive(count + j) and ledger.alive(index):
                 ledger.fail(
                     index,
-                    f"the reference adsorbate {j} failed "
-                    f"({ledger.errors[count + j]})",
+                    f"the reference adsorbate {j} failed ({ledger.errors[count + j]})",
                 )
         if ledger.alive(index):
             clean, configuration_rows, which = rows[index]
@@ -275,9 +273,7 @@ def adsorption_energies(
 
 
 def _adsorbates(adsorbates: Atoms | str | Sequence[Atoms | str]) -> list[Atoms]:
-    items = (
-        [adsorbates] if isinstance(adsorbates, Atoms | str) else list(adsorbates)
-    )
+    items = [adsorbates] if isinstance(adsorbates, Atoms | str) else list(adsorbates)
     if not items:
         raise ValueError("adsorbates is empty: give at least one, e.g. 'CO'")
     molecules = []
@@ -367,9 +363,7 @@ def _fill(
     result.adsorption_energies = adsorption
     result.slab = with_energy(derived[clean].atoms, slab_energy)
     result.structures = [
-        with_energy(
-            derived[k].atoms, energy, site=site, adsorption_energy=float(value)
-        )
+        with_energy(derived[k].atoms, energy, site=site, adsorption_energy=float(value))
         for k, energy, site, value in zip(
             configuration_rows, total, result.sites, adsorption, strict=True
         )

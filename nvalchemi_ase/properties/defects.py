@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -27,10 +28,12 @@ from ase.build import make_supercell
 from ase.data import atomic_numbers
 
 from nvalchemi_ase.properties._common import (
+    VARIABLE_CELL_OPTIMIZERS,
     Derived,
     Ledger,
     MaterialResult,
     materials,
+    relax_cells,
     resolve_calculator,
     validate,
 )
@@ -137,6 +140,8 @@ class DefectResult(MaterialResult):
         atom, before relaxation), Å.
     relax : bool
         Whether the ions were relaxed (at fixed cell).
+    relax_bulk : bool
+        Whether cell and ions of the bulk were relaxed first.
     relax_steps : numpy.ndarray of int, shape (n_defects,)
         Optimizer steps of each defect supercell (0: already below ``fmax``;
         -1: not relaxed).
@@ -165,6 +170,7 @@ class DefectResult(MaterialResult):
     chemical_potentials: dict[str, float] = field(default_factory=dict)
     sites: np.ndarray | None = None
     relax: bool = True
+    relax_bulk: bool = False
     relax_steps: np.ndarray | None = None
     structures: list[Atoms] = field(
         default_factory=list, repr=False, metadata={"json": False}
@@ -192,11 +198,13 @@ def defect_formation_energies(
     fmax: float = 0.01,
     steps: int = 1000,
     optimizer: str = "FIRE",
+    relax_bulk: bool = False,
+    cell_optimizer: str = "FIRE2",
     device: torch.device | str | None = None,
     dtype: DtypeLike = None,
     memory_budget: float | None = None,
 ) -> list[DefectResult]:
-    """Formation energy of every defect of every material, all in one stream.
+    """Compute every defect's formation energy, all materials in one stream.
 
     Parameters
     ----------
@@ -230,6 +238,12 @@ def defect_formation_energies(
         Step limit of each structure's relaxation.
     optimizer : str
         Ion optimizer (``FIRE``, ``FIRE2``, ``LBFGS``, ``BFGS``).
+    relax_bulk : bool
+        Relax cell and ions of every bulk first (``FrechetCellFilter`` with
+        ``cell_optimizer``, one batched run) and build the supercells from
+        the relaxed cells.
+    cell_optimizer : str
+        Optimizer of ``relax_bulk`` (``FIRE2``, ``LBFGS``, ``FIRE``, ``BFGS``).
     device, dtype
         For a model given by name or object.
     memory_budget : float, optional
@@ -260,10 +274,36 @@ def defect_formation_energies(
         raise ValueError("defects is empty: give at least one, e.g. 'vacancy'")
     matrix = _supercell_matrix(supercell)
     potentials = _check_potentials(chemical_potentials)
+    if cell_optimizer not in VARIABLE_CELL_OPTIMIZERS:
+        raise ValueError(
+            f"cell_optimizer must be one of {', '.join(VARIABLE_CELL_OPTIMIZERS)}, "
+            f"got {cell_optimizer!r}"
+        )
     calc = resolve_calculator(model, device=device, dtype=dtype)
-    structures = materials(bulks)
-    ledger = Ledger(len(structures))
-    validate(calc, structures, ledger, periodic=True)
+    inputs = materials(bulks)
+    ledger = Ledger(len(inputs))
+    validate(calc, inputs, ledger, periodic=True)
+    # every material's needed chemical potentials are checked before any work
+    for index, bulk in enumerate(inputs):
+        if ledger.alive(index):
+            try:
+                cells, _ = _defect_supercells(bulk, matrix, specs)
+            except ValueError:
+                continue  # fails the material below
+            _check_needed_potentials(index, bulk, cells, potentials)
+    structures = (
+        relax_cells(
+            calc,
+            inputs,
+            ledger,
+            fmax=fmax,
+            steps=steps,
+            optimizer=cell_optimizer,
+            memory_budget=memory_budget,
+        )
+        if relax_bulk
+        else inputs
+    )
     derived: list[Derived] = []
     rows: dict[int, tuple[int, list[int], list[_Defect], int]] = {}
     for index, bulk in enumerate(structures):
@@ -271,13 +311,12 @@ def defect_formation_energies(
             continue
         built = ledger.guard(
             index,
-            lambda bulk=bulk: _defect_supercells(bulk, matrix, specs),
+            partial(_defect_supercells, bulk, matrix, specs),
             "building the defect supercells",
         )
         if built is None:
             continue
         cells, natoms = built
-        _check_needed_potentials(index, bulk, cells, potentials)
         reference = len(derived)
         derived.append(Derived(index, bulk.copy(), "bulk reference"))
         defect_rows = []
@@ -299,8 +338,9 @@ def defect_formation_energies(
     for index, bulk in enumerate(structures):
         result = DefectResult(
             index=index,
-            formula=bulk.get_chemical_formula(),
-            natoms=len(bulk),
+            formula=inputs[index].get_chemical_formula(),
+            natoms=len(inputs[index]),
+            relax_bulk=relax_bulk,
             relax=relax,
             supercell=matrix.copy(),
         )
@@ -330,8 +370,8 @@ def _supercell_matrix(
     supercell: int | Sequence[int] | Sequence[Sequence[int]],
 ) -> np.ndarray:
     values = np.asarray(supercell)
-    if values.ndim == 0:
-        values = np.full(3, values)
+    if values.size == 1:
+        values = np.full(3, values.reshape(-1)[0])
     if values.shape == (3,):
         values = np.diag(values)
     if (
@@ -346,7 +386,9 @@ def _supercell_matrix(
     return values.astype(int)
 
 
-def _check_potentials(chemical_potentials: Mapping[str, float] | None) -> dict[str, float]:
+def _check_potentials(
+    chemical_potentials: Mapping[str, float] | None,
+) -> dict[str, float]:
     potentials = {}
     for species, value in (chemical_potentials or {}).items():
         if species not in atomic_numbers:
@@ -406,8 +448,7 @@ def _defect_supercells(
                 atoms.wrap()
                 cells.append(_Defect(f"{added}_i", atoms, {added: 1}, void.copy()))
         else:
-            new = spec.species
-            assert new is not None
+            new = str(spec.species)  # a substitution always names it
             hosts = [spec.host] if spec.host else [s for s in species if s != new]
             for replaced in hosts:
                 site = _first_site(symbols, replaced, bulk)
@@ -417,7 +458,9 @@ def _defect_supercells(
                 changes = {replaced: -1, new: 1}
                 cells.append(_Defect(f"{new}_{replaced}", atoms, changes, position))
     if not cells:
-        raise ValueError("no defect applies (every substitution replaces a species by itself)")
+        raise ValueError(
+            "no defect applies (every substitution replaces a species by itself)"
+        )
     return cells, len(perfect)
 
 
@@ -431,7 +474,7 @@ def _first_site(symbols: list[str], species: str, bulk: Atoms) -> int:
 
 
 def largest_void(bulk: Atoms, grid: int = VOID_GRID) -> np.ndarray:
-    """The point of a periodic cell farthest from every atom.
+    """Find the point of a periodic cell farthest from every atom.
 
     Parameters
     ----------
@@ -452,9 +495,12 @@ def largest_void(bulk: Atoms, grid: int = VOID_GRID) -> np.ndarray:
     )
     cell = bulk.cell.array
     points = fractions @ cell  # [G, 3]
-    shifts = np.stack(
-        np.meshgrid(*(np.arange(-1, 2),) * 3, indexing="ij"), -1
-    ).reshape(-1, 3) @ cell  # [27, 3]
+    shifts = (
+        np.stack(np.meshgrid(*(np.arange(-1, 2),) * 3, indexing="ij"), -1).reshape(
+            -1, 3
+        )
+        @ cell
+    )  # [27, 3]
     images = (bulk.get_positions(wrap=True)[:, None, :] + shifts[None]).reshape(-1, 3)
     # squared distance of every grid point to every periodic image: [G, 27 N]
     distances = ((points[:, None, :] - images[None]) ** 2).sum(-1)

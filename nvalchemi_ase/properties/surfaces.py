@@ -116,13 +116,13 @@ class SurfaceResult(MaterialResult):
     layers: int = 4
     vacuum: float = 10.0
     relax_steps: np.ndarray | None = None
-    slabs: list[Atoms] = field(default_factory=list, repr=False, metadata={"json": False})
+    slabs: list[Atoms] = field(
+        default_factory=list, repr=False, metadata={"json": False}
+    )
     bulk: Atoms | None = field(default=None, repr=False, metadata={"json": False})
 
 
-def build_slab(
-    bulk: Atoms, miller: Sequence[int], layers: int, vacuum: float
-) -> Atoms:
+def build_slab(bulk: Atoms, miller: Sequence[int], layers: int, vacuum: float) -> Atoms:
     """Cut one slab with ``ase.build.surface`` (both faces exposed).
 
     Parameters
@@ -303,11 +303,7 @@ def _check_miller(miller: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]
     facets = []
     for k, indices in enumerate(miller):
         values = tuple(indices)
-        if (
-            len(values) != 3
-            or not all(int(i) == i for i in values)
-            or not any(values)
-        ):
+        if len(values) != 3 or not all(int(i) == i for i in values) or not any(values):
             raise ValueError(
                 f"miller[{k}] must be three integers, not all zero, got {indices!r}"
             )
@@ -395,7 +391,7 @@ def _fill(
             surface_energy=float(value),
         )
         for item, energy, hkl, value in zip(
-            slabs, slab_energies, result.miller, gamma, strict=True
+            slabs, slab_energies, np.asarray(result.miller), gamma, strict=True
         )
     ]
 
