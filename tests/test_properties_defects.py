@@ -15,8 +15,10 @@ from tests._tolerances import EXACT
 from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import A_AR
 
-# Relaxations to FMAX leave energies off by ~ FMAX² / k, far below ENERGY_ATOL.
-FMAX = 1e-4
+# Relaxations to FMAX leave energies off the minimum by ~ FMAX² / k (~1e-5 eV),
+# but both sides take the same FIRE path cell by cell, so they agree to
+# ENERGY_ATOL.
+FMAX = 1e-3
 ENERGY_ATOL = 1e-7  # eV
 ROUNDOFF = EXACT[torch.float64]
 MU_KR = -0.0731  # eV/atom, any value: the LJ model ignores species

@@ -15,9 +15,10 @@ from tests._tolerances import EXACT
 from tests.helpers import assert_same_snapshot, snapshot
 from tests.structures import A_AR
 
-# Relaxations to FMAX leave energies off by ~ FMAX² / k (1e-8 eV here); over
-# 2A of 50-100 Å² that is far below GAMMA_ATOL.
-FMAX = 1e-4
+# Relaxations to FMAX leave energies off the minimum by ~ FMAX² / k (~1e-5 eV),
+# but both sides take the same FIRE path slab by slab, so they agree far
+# closer: GAMMA_ATOL (over 2A of 50-100 Å²) is about 1e-6 eV of energy.
+FMAX = 1e-3
 GAMMA_ATOL = 1e-8  # eV/Å²
 ROUNDOFF = EXACT[torch.float64]
 FACETS = [(1, 0, 0), (1, 1, 0), (1, 1, 1)]
