@@ -273,13 +273,20 @@ def run_lj(settings: Any, report: Any) -> None:
 
 
 def run_sevennet(settings: Any, report: Any) -> None:
-    """``--only surfaces-defects-sevennet`` (skipped without sevenn)."""
+    """``--only surfaces-defects-sevennet`` (skipped without sevenn or quick)."""
     import importlib.util
 
-    if importlib.util.find_spec("sevenn") is None:
+    reason = (
+        "`sevenn` is not installed"
+        if importlib.util.find_spec("sevenn") is None
+        else "minutes of SevenNet-0 on a CPU: not in --quick mode"
+        if settings.quick
+        else None
+    )
+    if reason is not None:
         report.sections.append(
-            "## Workflows: surface and defect energies on SevenNet-0\n\n"
-            "`sevenn` is not installed: skipped."
+            f"## Workflows: surface and defect energies on SevenNet-0\n\n{reason}: "
+            "skipped."
         )
         return
     table(SEVENNET, settings.quick, settings.repeats, report)
