@@ -113,7 +113,7 @@ def test_defect_command_errors_name_the_fix(tmp_path, capsys):
     write(tmp_path / "nacl.extxyz", bulk("NaCl", "rocksalt", a=5.6, cubic=True))
     args = [str(tmp_path / "nacl.extxyz"), "--file-prefix", f"{tmp_path}/o/", *LJ]
     assert main(["defect", *args, "--clamped"]) == 2
-    assert "--chemical-potential for" in capsys.readouterr().err
+    assert "--chemical-potential Na=VALUE in eV/atom" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["defect", *args, "--defects", "antisite"])
     with pytest.raises(SystemExit):

@@ -123,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compute(args: argparse.Namespace, calc: Any, atoms: list[Any]) -> list[Any]:
+    import re
+
     import numpy as np
 
     from nvalchemi_ase.cli.common import CommandError
@@ -145,9 +147,13 @@ def _compute(args: argparse.Namespace, calc: Any, atoms: list[Any]) -> list[Any]
             cell_optimizer=args.cell_optimizer,
         )
     except ValueError as error:  # raised before any work: the user's to fix
-        raise CommandError(
-            str(error).replace("chemical_potentials=", "--chemical-potential for ")
-        ) from None
+        # name the command-line option instead of the keyword
+        message = re.sub(
+            r"chemical_potentials=\{'(\w+)': \.\.\.\}",
+            r"--chemical-potential \1=VALUE",
+            str(error),
+        )
+        raise CommandError(message) from None
 
 
 def _row(result: DefectResult) -> tuple[str, ...]:
