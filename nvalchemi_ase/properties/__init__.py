@@ -19,11 +19,13 @@ function                   result (units)                      library for the f
 ``phonons``                force constants eV/Å², THz on a     phonopy (extra
                            path and a mesh, DOS                ``properties``)
 ``vibrations``             Hessian eV/Å², cm⁻¹ / THz           ``ase.vibrations``
-``surface_energies``       γ eV/Å² and J/m² per facet          ``ase.build.surface``
-``adsorption_energies``    E_ads eV per adsorbate and site     ``ase.build``
-``defect_formation_        E_f eV per defect (vacancy,         ``ase.build``
-energies``                 interstitial, substitution)
 =========================  ==================================  ===================
+
+Energies of derived structures (every slab, supercell and reference of every
+material relaxed in one in-flight run; structures from ``ase.build``):
+``surface_energies`` (γ per facet, eV/Å² and J/m²), ``adsorption_energies``
+(E_ads per adsorbate and site, eV) and ``defect_formation_energies`` (E_f per
+vacancy, interstitial or substitution, eV).
 """
 
 from __future__ import annotations
