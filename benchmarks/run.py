@@ -795,6 +795,12 @@ BENCHMARKS = {
     "properties-sevennet": lambda *a: importlib.import_module(
         "benchmarks.properties"
     ).run_sevennet(*a),
+    "surfaces-defects": lambda *a: importlib.import_module(
+        "benchmarks.surfaces_defects"
+    ).run_lj(*a),
+    "surfaces-defects-sevennet": lambda *a: importlib.import_module(
+        "benchmarks.surfaces_defects"
+    ).run_sevennet(*a),
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
 }
 

@@ -25,6 +25,7 @@ SECTIONS = [
     "6b. NEB on SevenNet-0",
     "9a. Batched property workflows",
     "9b. Batched property workflows",
+    "Workflows: surface and defect energies, batched vs the ASE loop (LJ",
 ]
 
 
