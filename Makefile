@@ -3,6 +3,7 @@
 #   make test   same .venv, install the test extras, mypy, the whole test suite
 #               (the suite runs ruff itself: tests/test_package.py)
 #   make test-fast   the suite without tests marked slow (< 2 min), for iterating
+#   make notebooks   regenerate tutorials/*.ipynb from tutorials/*.py
 # pip (not uv): pip takes the torch builds cached on this machine.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 # extra pytest arguments, e.g. make test-fast PYTEST_ARGS="--durations=15 -x"
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench notebooks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +24,7 @@ $(VENV)/.installed: pyproject.toml setup.cfg | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml setup.cfg | $(PY)
-	$(PIP) install --quiet -e ".[test,sevennet,mace]"
+	$(PIP) install --quiet -e ".[test,sevennet,d3,mace]"
 	touch $@ $(VENV)/.installed
 
 # mace-torch pins e3nn==0.4.4, sevenn needs e3nn>=0.5: its other requirements come
@@ -45,6 +46,10 @@ test-fast: $(VENV)/.installed-mace
 
 bench: $(VENV)/.installed-mace
 	$(PY) -m benchmarks
+
+# the tutorials' notebooks from their scripts (tests/test_tutorials.py checks they agree)
+notebooks: $(VENV)/.installed-test
+	$(VENV)/bin/jupytext --to ipynb --set-kernel python3 tutorials/[0-9][0-9]_*.py
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check nvalchemi_ase tests tutorials benchmarks

@@ -2,12 +2,13 @@
 
 Run ``python -m benchmarks`` (about 10 minutes on a 2-core CPU) or
 ``python -m benchmarks --quick`` (under a minute; checks that every benchmark
-runs, the numbers are not meaningful). ``--device cuda`` runs the same figures on
-a GPU with bigger sizes. The markdown report is printed; a full run also writes
-it to ``docs/performance.md`` (``--output`` to choose a file, which ``--only``
-and ``--quick`` runs need), with the machine, the versions and the date. Every
-figure is a ratio of medians over repeats after warm-up, both sides timed in the
-same process.
+runs, the numbers are not meaningful). ``python -m benchmarks --suite gpu`` is
+the prepared run for a lent GPU (:mod:`benchmarks.gpu`). ``--device cuda``
+runs the same figures on a GPU with bigger sizes. The markdown report is
+printed; a full run also writes it to ``docs/performance.md`` (``--output`` to
+choose a file, which ``--only`` and ``--quick`` runs need), with the machine,
+the versions and the date. Every figure is a ratio of medians over repeats
+after warm-up, both sides timed in the same process.
 
 1. Layer overhead: ASE-style ``VelocityVerlet``/``FIRE`` over B structures vs the
    same nvalchemi engine driven directly on the same ``Batch`` doing the same
@@ -71,10 +72,15 @@ class Report:
     """Markdown sections collected while the benchmarks run."""
 
     sections: list[str] = field(default_factory=list)
+    #: every table as data (title, header, rows, note), for the JSON report
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def table(
         self, title: str, header: list[str], rows: list[list[str]], note: str = ""
     ) -> None:
+        self.records.append(
+            {"title": title, "header": header, "rows": rows, "note": note}
+        )
         lines = [f"## {title}", ""]
         if note:
             lines += [note, ""]
@@ -789,6 +795,12 @@ BENCHMARKS = {
     "properties-sevennet": lambda *a: importlib.import_module(
         "benchmarks.properties"
     ).run_sevennet(*a),
+    "surfaces-defects": lambda *a: importlib.import_module(
+        "benchmarks.surfaces_defects"
+    ).run_lj(*a),
+    "surfaces-defects-sevennet": lambda *a: importlib.import_module(
+        "benchmarks.surfaces_defects"
+    ).run_sevennet(*a),
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
 }
 
@@ -812,6 +824,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=None)
     parser.add_argument(
+        "--suite",
+        choices=["gpu"],
+        default=None,
+        help="gpu: the prepared GPU checks (benchmarks/gpu.py), JSON + markdown "
+        "into --output-dir",
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="gpu-report",
+        help="folder for the --suite reports (default: gpu-report/)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=480.0,
+        help="seconds the --suite run may take; sections that do not fit are "
+        "skipped and listed (default: 480)",
+    )
+    parser.add_argument(
         "--output",
         default=None,
         help="markdown report (default: docs/performance.md for a full run; "
@@ -822,6 +853,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.suite == "gpu":
+        gpu = importlib.import_module("benchmarks.gpu")
+        gpu.run_suite(args.device, args.quick, Path(args.output_dir), args.time_limit)
+        return 0
     settings = settings_for(args.device, args.quick)
     report = Report()
     start = time.perf_counter()

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from nvalchemi_ase.runners import read_results as read_results
     from nvalchemi_ase.runners import relax as relax
     from nvalchemi_ase.runners import single_points as single_points
+    from nvalchemi_ase.tables import to_dataframe as to_dataframe
 
 _EXPORTS = {
     "NVAlchemiCalculator": "nvalchemi_ase.calculator",
@@ -39,6 +40,7 @@ _EXPORTS = {
     "read_results": "nvalchemi_ase.runners",
     "relax": "nvalchemi_ase.runners",
     "single_points": "nvalchemi_ase.runners",
+    "to_dataframe": "nvalchemi_ase.tables",
 }
 
 __all__ = [*sorted(_EXPORTS), "__version__"]

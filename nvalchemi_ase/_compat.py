@@ -46,9 +46,14 @@ __all__ = [
     "npt_operators",
     "open_hooks",
     "pipeline_all_done",
+    "pipeline_batch_sources",
+    "pipeline_hook_inner",
+    "pipeline_policy",
+    "pipeline_sources",
     "pipeline_start",
     "prime_engine",
     "seed_neighbor_hook",
+    "write_neighbor_hook_lists",
 ]
 
 
@@ -279,6 +284,14 @@ PRIVATE_ATTRIBUTES = {
         "_max_neighbors_override",
         "_col_range",
     ),
+    # models.composition: a composed model's planned neighbour-list sources,
+    # and the inner hooks of its multi-source hook (swapped for eager ones).
+    "PipelineModelWrapper": (
+        "_neighbor_sources",
+        "_neighbor_adaptation",
+        "_max_cutoff_ratio",
+    ),
+    "_PipelineNeighborListHook": ("hooks", "sources"),
 }
 
 
@@ -330,6 +343,47 @@ def pipeline_start(pipeline: Any) -> None:
 def pipeline_all_done(pipeline: Any) -> bool:
     """All-reduce the stages' done flags (collective); True when every one is done."""
     return bool(pipeline._sync_done_flags())
+
+
+def pipeline_sources(model: Any) -> list[Any]:
+    """Return the ``NeighborConfig`` of each neighbour-list source a pipeline planned.
+
+    ``PipelineModelWrapper._neighbor_sources`` (its ``make_neighbor_hooks``
+    builds one ``NeighborListHook`` per entry), largest cutoff first.
+    """
+    return [source.config for source in model._neighbor_sources]
+
+
+def pipeline_policy(model: Any) -> dict[str, Any]:
+    """Return a pipeline's neighbour-sharing arguments (``neighbor_adaptation``...).
+
+    ``_neighbor_adaptation`` and ``_max_cutoff_ratio``, as keyword arguments
+    for a new ``PipelineModelWrapper`` with the same policy.
+    """
+    return {
+        "neighbor_adaptation": model._neighbor_adaptation,
+        "max_cutoff_ratio": model._max_cutoff_ratio,
+    }
+
+
+def pipeline_batch_sources(batch: Batch) -> Any:
+    """Return the sources a pipeline's neighbour hook left on ``batch``, or None.
+
+    The tuple ``_PipelineNeighborListHook`` stores as the batch's
+    ``_pipeline_neighbor_sources`` (compared by identity, never read).
+    """
+    return batch.__dict__.get("_pipeline_neighbor_sources")
+
+
+def pipeline_hook_inner(hook: Any) -> list[Any]:
+    """Return the inner ``NeighborListHook`` list of a ``_PipelineNeighborListHook``.
+
+    The list object itself, one hook per source in the order of
+    :func:`pipeline_sources`; replacing its entries changes how each source is
+    built, while the pipeline hook still captures every source onto the batch.
+    """
+    inner: list[Any] = hook.hooks
+    return inner
 
 
 def eager_call(compiled: Any) -> Any:
@@ -435,6 +489,12 @@ def empty_neighbor_rows(hook: Any, rows: torch.Tensor, batch: Batch) -> None:
     if hook._neighbor_matrix_shifts is not None:
         hook._neighbor_matrix_shifts[rows] = 0
     _write_hook_lists(hook, batch)
+
+
+def write_neighbor_hook_lists(hook: Any, batch: Batch) -> None:
+    """Write a built ``NeighborListHook``'s list into ``batch``'s neighbour fields."""
+    if hook._neighbor_matrix is not None:
+        _write_hook_lists(hook, batch)
 
 
 def _set_hook_lists(

@@ -5,7 +5,9 @@
 structures in one model call through :meth:`NVAlchemiCalculator.calculate_batch`.
 Both go through the same code path: Atoms →
 :func:`~nvalchemi_ase.convert.atoms_to_batch` → neighbour list from the model's
-``NeighborConfig`` (``nvalchemi.neighbors.compute_neighbors``) → ``model(batch)`` →
+``NeighborConfig`` (``nvalchemi.neighbors.compute_neighbors``; a composed model's
+lists by its own hooks, :func:`~nvalchemi_ase.models.composition.build_neighbors`)
+→ ``model(batch)`` →
 :func:`~nvalchemi_ase.convert.batch_results` → fresh float64 NumPy arrays.
 """
 
@@ -26,7 +28,6 @@ from ase.calculators.calculator import (
     all_changes,
 )
 
-from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import (
     as_atoms_list,
     atoms_to_batch,
@@ -36,6 +37,7 @@ from nvalchemi_ase.convert import (
 )
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
 from nvalchemi_ase.models import model_native_dtype, resolve_model
+from nvalchemi_ase.models.composition import build_neighbors
 from nvalchemi_ase.typing import DeviceLike, ModelLike
 
 if TYPE_CHECKING:
@@ -365,10 +367,7 @@ class NVAlchemiCalculator(Calculator):
         return batch
 
     def _run_model(self, batch: Batch, properties: Sequence[str]) -> dict[str, Any]:
-        neighbor_config = self.model.model_config.neighbor_config
-        if neighbor_config is not None:
-            neighbors = import_quietly("nvalchemi.neighbors")
-            neighbors.compute_neighbors(batch, config=neighbor_config)
+        build_neighbors(self.model, batch)  # every list a composed model plans
         wanted = {"energy", "forces"} | {_MODEL_OUTPUT_OF[p] for p in properties}
         if self._shared.stress_wanted:
             wanted.add("stress")

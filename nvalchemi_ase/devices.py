@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DtypeLike", "resolve_device", "resolve_dtype"]
+__all__ = ["DtypeLike", "host_reads_are_free", "resolve_device", "resolve_dtype"]
 
 DtypeLike = torch.dtype | str | None
 
@@ -122,3 +122,25 @@ def resolve_dtype(
             "'float32' or 'float64'"
         )
     return resolved
+
+
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value of ``device`` back on the host costs no synchronisation.
+
+    True on the CPU, where the dynamics branch on the host (skip a neighbour
+    list whose skin still holds, answer "did anything fail" with one read);
+    False on an accelerator, where they take nvalchemi's sync-free paths
+    instead. The one place this choice is made, so that tests can force the
+    accelerator paths on a CPU.
+
+    Parameters
+    ----------
+    device : torch.device
+        The device a batch lives on.
+
+    Returns
+    -------
+    bool
+        ``device.type == "cpu"``.
+    """
+    return device.type == "cpu"

@@ -4,31 +4,81 @@ Used by :meth:`nvalchemi_ase.dynamics.recorder.Recorder.plot` and the command
 line's ``--plot``. matplotlib is imported when a plot is drawn; figures are
 ``matplotlib.figure.Figure`` objects rendered straight to PNG, so no display is
 needed and the caller's pyplot backend and figure list are left alone (a
-notebook keeps its inline backend).
+notebook keeps its inline backend). Without a path, a plot is returned as an
+:class:`InlinePlot`, which a notebook shows inline (its ``_repr_png_``).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MAX_LINES", "plot_md", "plot_relaxation"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["MAX_LINES", "InlinePlot", "plot_md", "plot_relaxation"]
 
 #: Batches larger than this are drawn as a mean line and a min-max band.
 MAX_LINES = 12
 
+#: Resolution of written and inline PNGs, dots per inch.
+DPI = 110
 
+
+class InlinePlot:
+    """A drawn plot not written to a file; a notebook displays it inline.
+
+    Attributes
+    ----------
+    figure : matplotlib.figure.Figure
+        The figure (``figure.savefig(...)`` writes it anywhere).
+    """
+
+    def __init__(self, figure: Figure) -> None:
+        self.figure = figure
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.figure.savefig(buffer, format="png", dpi=DPI)
+        return buffer.getvalue()
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plot as a PNG; return its path."""
+        return _save(self.figure, path)
+
+
+@overload
 def plot_md(
     series: dict[str, npt.NDArray[np.float64]],
     path: str | Path,
     *,
+    title: str | None = ...,
+    labels: Sequence[str] | None = ...,
+) -> Path: ...
+
+
+@overload
+def plot_md(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: None = ...,
+    *,
+    title: str | None = ...,
+    labels: Sequence[str] | None = ...,
+) -> InlinePlot: ...
+
+
+def plot_md(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: str | Path | None = None,
+    *,
     title: str | None = None,
     labels: Sequence[str] | None = None,
-) -> Path:
+) -> Path | InlinePlot:
     """Energy, temperature and pressure against time.
 
     Parameters
@@ -37,8 +87,8 @@ def plot_md(
         ``time_ps`` (T,), ``epot_per_atom`` (T, B) eV, ``temperature`` (T, B) K,
         ``pressure_gpa`` (T, B) GPa (NaN where undefined), as recorded by
         :class:`~nvalchemi_ase.dynamics.recorder.Recorder`.
-    path : str or pathlib.Path
-        PNG to write.
+    path : str or pathlib.Path, optional
+        PNG to write; None returns the plot for a notebook instead.
     title : str, optional
         Figure title.
     labels : sequence of str, optional
@@ -47,8 +97,8 @@ def plot_md(
 
     Returns
     -------
-    pathlib.Path
-        The file written.
+    pathlib.Path or InlinePlot
+        The file written, or (``path=None``) the plot.
     """
     panels = [
         ("epot_per_atom", "E_pot / atom [eV]"),
@@ -61,21 +111,41 @@ def plot_md(
     )
 
 
+@overload
 def plot_relaxation(
     series: dict[str, npt.NDArray[np.float64]],
     path: str | Path,
     *,
+    title: str | None = ...,
+    labels: Sequence[str] | None = ...,
+) -> Path: ...
+
+
+@overload
+def plot_relaxation(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: None = ...,
+    *,
+    title: str | None = ...,
+    labels: Sequence[str] | None = ...,
+) -> InlinePlot: ...
+
+
+def plot_relaxation(
+    series: dict[str, npt.NDArray[np.float64]],
+    path: str | Path | None = None,
+    *,
     title: str | None = None,
     labels: Sequence[str] | None = None,
-) -> Path:
+) -> Path | InlinePlot:
     """Energy (relative to its final value) and largest force against step.
 
     Parameters
     ----------
     series : dict of numpy.ndarray
         ``step`` (T,), ``epot_per_atom`` (T, B) eV, ``fmax`` (T, B) eV/Å.
-    path : str or pathlib.Path
-        PNG to write.
+    path : str or pathlib.Path, optional
+        PNG to write; None returns the plot for a notebook instead.
     title : str, optional
         Figure title.
     labels : sequence of str, optional
@@ -84,8 +154,8 @@ def plot_relaxation(
 
     Returns
     -------
-    pathlib.Path
-        The file written.
+    pathlib.Path or InlinePlot
+        The file written, or (``path=None``) the plot.
     """
     relative = dict(series)
     energy = series["epot_per_atom"]
@@ -101,11 +171,11 @@ def _draw(
     xlabel: str,
     series: dict[str, npt.NDArray[np.float64]],
     panels: list[tuple[str, str]],
-    path: str | Path,
+    path: str | Path | None,
     title: str | None,
     log: set[str],
     labels: Sequence[str] | None,
-) -> Path:
+) -> Path | InlinePlot:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 2.4 * len(panels)), layout="constrained")
@@ -128,9 +198,15 @@ def _draw(
         figure.legend(handles, names, loc="outside right upper", fontsize="small")
     if title:
         figure.suptitle(title)
+    if path is None:
+        return InlinePlot(figure)
+    return _save(figure, path)
+
+
+def _save(figure: Figure, path: str | Path) -> Path:
     output = Path(path)
     output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
+    figure.savefig(output, dpi=DPI)
     return output
 
 

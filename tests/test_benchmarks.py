@@ -6,6 +6,7 @@ checks that ``python -m benchmarks --quick`` works and its report is complete.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -24,6 +25,7 @@ SECTIONS = [
     "6b. NEB on SevenNet-0",
     "9a. Batched property workflows",
     "9b. Batched property workflows",
+    "Workflows: surface and defect energies, batched vs the ASE loop (LJ",
 ]
 
 
@@ -47,3 +49,63 @@ def test_quick_benchmark_writes_a_complete_report(tmp_path):
     assert speedups
     assert all(0 < value < 1e4 for value in speedups)
     assert re.search(r"log-log slope: \*\*-?[0-9.]+\*\*", text)
+
+
+@pytest.mark.slow
+def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path):
+    """``--suite gpu --device cpu --quick``: every section, one JSON, one report."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--suite",
+            "gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads((tmp_path / "gpu-report.json").read_text())
+    assert payload["skipped"] == []
+    assert set(payload["section_s"]) == {
+        "gpu-tests",
+        "peak-memory",
+        "overhead",
+        "sequential",
+        "runners",
+        "runners-sevennet",
+    }
+    # without CUDA every GPU-marked test skips itself, none fails
+    assert payload["tests"]["skipped"] >= 2
+    assert payload["tests"]["failed"] == payload["tests"]["errors"] == 0
+    titles = [table["title"] for table in payload["tables"]]
+    assert any(title.startswith("G1. GPU-marked tests") for title in titles)
+    (peak,) = [t for t in payload["tables"] if t["title"].startswith("G2.")]
+    structures, atoms, *_ = peak["rows"][0]
+    assert int(structures) == 4
+    assert float(atoms) > 0
+    text = (tmp_path / "gpu-report.md").read_text()
+    assert "--suite gpu" in text
+    assert "## 1. Layer overhead" in text
+
+
+def test_pytest_counts_are_read_from_the_closing_line():
+    from benchmarks.gpu import parse_pytest_counts
+
+    text = "ss.F\nSKIPPED [2] needs CUDA\n== 1 failed, 1 passed, 2 skipped in 3.1s =="
+    assert parse_pytest_counts(text) == {
+        "passed": 1,
+        "failed": 1,
+        "skipped": 2,
+        "errors": 0,
+    }
+    assert parse_pytest_counts("2 skipped in 0.5s")["skipped"] == 2

@@ -294,7 +294,7 @@ def test_bad_structure_raises_before_any_model_call_and_mutates_nothing(lj_calc6
 def test_unknown_model_and_bad_options_are_clear_errors():
     with pytest.raises(
         ValueError,
-        match=r"unknown model 'mace-xl'; known models: 7net-0, demo, lj, sevennet-0",
+        match=r"unknown model 'mace-xl'; known models: 7net-0, .*demo, .*lj, ",
     ):
         NVAlchemiCalculator("mace-xl")
     with pytest.raises(ValueError, match="dtype='float16' is not supported"):

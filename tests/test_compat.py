@@ -55,9 +55,14 @@ def test_private_attributes_exist_on_live_objects():
     atoms.calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     dyn = Bussi(atoms, 1.0, temperature_K=50.0, taut=100.0, seed=0)
     dyn.run(1)
+    from nvalchemi_ase.models import load_model
+
+    composed = load_model("lj", cutoff=4.0) + load_model("lj", cutoff=8.5)
     live = {
         "BaseDynamics": dyn.engine,
         "NeighborListHook": next(h for h in dyn.engine.hooks if is_neighbor_hook(h)),
+        "PipelineModelWrapper": composed,
+        "_PipelineNeighborListHook": composed.make_neighbor_hooks()[0],
     }
     missing = [
         f"{owner}.{name}"

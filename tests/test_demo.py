@@ -132,3 +132,32 @@ def test_thread_choice_leaves_free_cores_and_restores_torch(monkeypatch):
         assert note == "1 torch thread, from --threads"
     with demo.choose_threads("cuda:0", None) as note:
         assert note is None
+
+
+@pytest.mark.parametrize(
+    ("widgets", "kind"), [(True, "widget"), (False, "bar")], ids=["widgets", "none"]
+)
+def test_progress_in_a_notebook_is_a_widget_or_a_clean_text_bar(
+    monkeypatch, widgets, kind
+):
+    """In a kernel: tqdm's widget with ipywidgets, else a text bar, no warning."""
+    from nvalchemi_ase.dynamics import progress
+
+    if widgets:
+        pytest.importorskip("ipywidgets")
+    monkeypatch.setattr(progress, "in_notebook", lambda: True)
+    monkeypatch.setattr(progress, "notebook_widgets_available", lambda: widgets)
+    assert progress.progress_enabled(None)
+    with ProgressBar("FIRE", 3) as bar:  # the suite turns warnings into errors
+        for _ in range(3):
+            bar.step("converged 1/2")
+        assert bar.kind == kind
+    # an explicit stream is honoured as outside a notebook
+    with ProgressBar("FIRE", 3, file=io.StringIO()) as bar:
+        assert bar.kind == "lines"
+
+
+def test_in_notebook_is_false_outside_a_kernel():
+    from nvalchemi_ase.dynamics.progress import in_notebook
+
+    assert in_notebook() is False

@@ -93,18 +93,9 @@ def _run_vv(images, calc, steps, **kwargs):
 def guard_path(request, monkeypatch):
     """Run the guard as on a CPU, or as on a GPU: no host reads between syncs."""
     if request.param == "accelerator path":
-        from nvalchemi_ase.dynamics import base, failures
+        from nvalchemi_ase import devices
 
-        original = failures.FailureGuard.__init__
-
-        def device_only(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            self._host_branching = False
-
-        monkeypatch.setattr(failures.FailureGuard, "__init__", device_only)
-        monkeypatch.setattr(
-            base.BatchedDynamics, "_reads_are_free", property(lambda self: False)
-        )
+        monkeypatch.setattr(devices, "host_reads_are_free", lambda device: False)
     return request.param
 
 

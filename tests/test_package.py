@@ -116,6 +116,8 @@ LAYERS = [
         "nvalchemi_ase.runners",
         "nvalchemi_ase.testing",
         "nvalchemi_ase.plotting",
+        "nvalchemi_ase.tables",
+        "nvalchemi_ase.analysis",
     ),
     ("nvalchemi_ase.cli", "nvalchemi_ase._ase_plugin", "nvalchemi_ase.__main__"),
 ]

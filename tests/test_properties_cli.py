@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 from ase.build import bulk
-from ase.io import write
+from ase.io import read, write
 
 from nvalchemi_ase.cli.main import main
 from nvalchemi_ase.properties import elastic_constants, equation_of_state
@@ -52,6 +52,11 @@ def test_eos_writes_one_result_per_material_and_isolates_failures(
     assert failed["v0"] is None
     assert (tmp_path / "out" / "run-argon-0-eos.png").stat().st_size > 0
     assert not (tmp_path / "out" / "run-argon-1-eos.png").exists()
+    scan = read(tmp_path / "out" / "run-argon-0-eos.extxyz", ":")
+    assert [a.get_potential_energy() for a in scan] == pytest.approx(
+        expected.energies, rel=1e-10
+    )
+    assert not (tmp_path / "out" / "run-argon-1-eos.extxyz").exists()
     summary = json.loads((tmp_path / "out" / "run-eos-summary.json").read_text())
     assert summary["materials"] == 3
     assert [f["material"] for f in summary["failed"]] == ["argon-1"]

@@ -214,3 +214,45 @@ def test_results_serialise_to_strict_json_with_units(lj_calc64):
     assert data["units"]["v0"] == "Å^3"
     assert len(data["volumes"]) == 7
     assert "fit" not in data
+
+
+@pytest.mark.parametrize("relax", [None, "ions"])
+def test_eos_scan_file_gives_ase_gui_the_same_fit(lj_calc64, tmp_path, relax):
+    """The multi-frame scan, read as ``ase gui`` reads it, fits the same E(V)."""
+    from ase.gui.images import Images
+    from ase.io import read
+
+    materials = _materials()
+    results = equation_of_state(materials, lj_calc64, relax=relax, fmax=FMAX)
+    for k, result in enumerate(results):
+        path = tmp_path / f"material-{k}-eos.extxyz"
+        result.write(path)
+        frames = read(path, ":")
+        assert len(frames) == len(result.volumes)
+        # what Tools -> Bulk modulus does (ase/gui/gui.py::bulk_modulus)
+        images = Images()
+        images.initialize(frames)
+        volumes = [abs(np.linalg.det(atoms.cell)) for atoms in images]
+        energies = [images.get_energy(atoms) for atoms in images]
+        np.testing.assert_allclose(volumes, result.volumes, rtol=1e-10)
+        np.testing.assert_allclose(energies, result.energies, rtol=1e-10)
+        fit = EquationOfState(volumes, energies, eos=result.eos)
+        v0, _, bulk_modulus = fit.fit(warn=False)
+        assert v0 == pytest.approx(result.v0, rel=1e-8)
+        assert bulk_modulus / units.GPa == pytest.approx(result.B, rel=1e-6)
+        # the GUI fits its own default form (Stabilized Jellium) to the same points
+        gui_v0 = EquationOfState(volumes, energies).fit(warn=False)[0]
+        assert gui_v0 == pytest.approx(result.v0, rel=1e-3)
+        # each frame's positions are those its energy belongs to
+        for frame, energy in zip(frames, result.energies, strict=True):
+            frame.calc = lj_calc64
+            assert frame.get_potential_energy() == pytest.approx(energy, abs=1e-8)
+
+
+def test_failed_material_has_no_scan_to_write(lj_calc64, tmp_path):
+    from ase import Atoms
+
+    (result,) = equation_of_state(Atoms("Ar", pbc=False), lj_calc64)
+    assert not result.ok
+    with pytest.raises(ValueError, match="no EOS frames"):
+        result.write(tmp_path / "x.extxyz")

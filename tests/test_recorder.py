@@ -56,6 +56,10 @@ def test_relaxation_series_and_plot_bands_for_large_batches(tmp_path, lj_calc64)
     assert (series["fmax"][-1] < 0.05).all()
     path = record.plot(tmp_path / "relax.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
+    # without a path: a plot a notebook shows inline, the same picture
+    inline = record.plot()
+    assert inline._repr_png_()[:8] == PNG_MAGIC
+    assert inline.save(tmp_path / "again.png").read_bytes() == path.read_bytes()
 
 
 def test_progress_bar_goes_to_stderr_only(capfd, lj_calc64):

@@ -21,7 +21,7 @@ import numpy as np
 from ase.build import bulk
 from ase.filters import FrechetCellFilter
 
-from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase import NVAlchemiCalculator, to_dataframe
 from nvalchemi_ase.dynamics.recorder import Recorder
 from nvalchemi_ase.optimize import FIRE, LBFGS
 
@@ -52,13 +52,31 @@ for index in range(12):
     atoms.calc = calc
     images.append(atoms)
 
-opt = FIRE(images, logfile=OUT / "relax.log", trajectory=str(OUT / "relax_{i}.traj"))
+opt = FIRE(
+    images,
+    logfile=OUT / "relax.log",
+    trajectory=str(OUT / "relax_{i}.traj"),
+    progress=True,  # a bar: a widget in a notebook, text on a terminal
+)
 record = Recorder(opt)
 converged = opt.run(fmax=0.05, steps=300)
 print("all converged:", converged, "after", opt.nsteps, "batched steps")
 print("step at which each converged:", opt.converged_at_step)
 print("largest force per structure [eV/Å]:", np.round(opt.fmax_per_structure, 4))
 print("plot:", record.plot(OUT / "relax.png", title="12 structures, one FIRE"))
+
+# %% [markdown]
+# The same run as a table, one row per structure (a pandas `DataFrame`; units in
+# `table.attrs["units"]`), and the plot inline: `record.plot()` without a file
+# name is shown by the notebook.
+
+# %%
+table = to_dataframe(opt)
+print(table[["formula", "energy", "fmax", "converged_at_step"]].describe())
+table.head()
+
+# %%
+record.plot(title="12 structures, one FIRE")
 
 # %% [markdown]
 # The batch log has one line per step (`relax.log`); a path template with `{i}`

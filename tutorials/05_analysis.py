@@ -20,7 +20,7 @@ from ase.build import bulk
 from ase.io import read
 from ase.md.velocitydistribution import Stationary
 
-from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase import NVAlchemiCalculator, to_dataframe
 from nvalchemi_ase.dynamics.recorder import Recorder
 from nvalchemi_ase.md import IsotropicMTKNPT
 
@@ -67,6 +67,15 @@ print(
     "final volume per atom [Å³]:", [round(a.get_volume() / len(a), 2) for a in images]
 )
 print("plot:", record.plot(OUT / "npt.png", title="NPT at four pressures"))
+
+# %% [markdown]
+# The state at the end of the run as a table (energies in eV, temperatures in K,
+# volumes in Å³), one row per structure:
+
+# %%
+table = to_dataframe(dyn)
+table["pressure_gpa"] = pressures_gpa
+table[["formula", "pressure_gpa", "volume", "temperature", "energy"]]
 
 # %% [markdown]
 # ## Trajectories are ASE files

@@ -10,10 +10,12 @@ EquationOfState fits E(V): V0 in Å³, E0 in eV, B in GPa.
 Outputs: every name below is put after --file-prefix (a directory ending in
 "/", default nvalchemi-ase-results/, or a path stem joined with "-"), and
 <material> is the input file's stem, plus "-FRAME" for multi-frame files:
-<material>-eos.json (points, fit, units), <material>-eos.png (E(V) and the
-fit; not with --no-plot), eos-results.csv (one row per material) and
-eos-summary.json (inputs, options, outputs, timings, failures). A material that
-fails is listed with its reason, the others finish, and the exit status is 1.
+<material>-eos.json (points, fit, units), <material>-eos.extxyz (every
+scaled cell with its energy: ase gui's Tools > Bulk modulus reads it),
+<material>-eos.png (E(V) and the fit; not with --no-plot), eos-results.csv
+(one row per material) and eos-summary.json (inputs, options, outputs,
+timings, failures). A material that fails is listed with its reason, the
+others finish, and the exit status is 1.
 Files are written as NAME.partial.EXT and renamed when the run completes;
 existing outputs are replaced only with --overwrite.
 
@@ -509,11 +511,15 @@ def _plot(args: argparse.Namespace, result: EOSResult, path: Path) -> None:
     plot_eos(result, path)
 
 
+def _scan(args: argparse.Namespace, result: EOSResult, path: Path) -> None:
+    result.write(path, format="extxyz")
+
+
 _COMMAND = PropertyCommand(
     name="eos",
     compute=_compute,
     header=("V0/Å³", "E0/eV", "B/GPa", "a,b,c at V0/Å"),
     row=_eos_row,
-    extras={"eos.png": _plot},
-    wanted=lambda args, suffix: not args.no_plot,
+    extras={"eos.png": _plot, "eos.extxyz": _scan},
+    wanted=lambda args, suffix: suffix != "eos.png" or not args.no_plot,
 )

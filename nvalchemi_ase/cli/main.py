@@ -30,7 +30,19 @@ _COMMANDS = (
     ("eos", "nvalchemi_ase.cli.eos", "equations of state of every input, batched"),
     ("elastic", "nvalchemi_ase.cli.elastic", "elastic constants, batched"),
     ("phonons", "nvalchemi_ase.cli.phonons", "phonons (phonopy) of every input"),
+    (
+        "surface",
+        "nvalchemi_ase.cli.surface",
+        "surface energies of every input, batched",
+    ),
+    ("defect", "nvalchemi_ase.cli.defect", "point-defect formation energies, batched"),
     ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
+    ("rdf", "nvalchemi_ase.cli.rdf", "radial distribution functions of trajectories"),
+    (
+        "diffusion",
+        "nvalchemi_ase.cli.diffusion",
+        "self-diffusion (MSD, VACF) and viscosity of trajectories",
+    ),
     ("models", "nvalchemi_ase.cli.models", "list every model name and what it needs"),
     (
         "demo",

@@ -25,6 +25,7 @@ __all__ = ["EXTRA_PACKAGES", "add_arguments", "model_rows", "run"]
 EXTRA_PACKAGES = {
     "sevennet": "sevenn",
     "mace": "mace",
+    "d3": "tad_dftd3",
     "aimnet": "aimnet",
     "uma": "fairchem",
 }

@@ -27,6 +27,7 @@ import torch
 from ase import Atoms
 from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 
+from nvalchemi_ase import devices
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
 from nvalchemi_ase.devices import DtypeLike
@@ -660,7 +661,7 @@ class BatchedDynamics(AseBaseDynamics):
     @property
     def _reads_are_free(self) -> bool:
         """Whether reading a flag back costs no synchronisation (CPU runs)."""
-        return self.batch.device.type == "cpu"
+        return devices.host_reads_are_free(self.batch.device)
 
     def _outputs_at(self, nsteps: int) -> set[str]:
         """Model outputs for the evaluation that produces step ``nsteps``.

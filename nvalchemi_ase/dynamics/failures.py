@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from nvalchemi_ase import devices
 from nvalchemi_ase.dynamics.hooks import StageHook
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ class FailureGuard:
         self.limits = limits
         self._ase_step = ase_step
         self.variable_cell = variable_cell
-        self._host_branching = device.type == "cpu"
+        self._host_branching = devices.host_reads_are_free(device)
         self._any_failed = False
         self.failed = torch.zeros(count, dtype=torch.bool, device=device)
         self.step = torch.full((count,), -1, dtype=torch.long, device=device)

@@ -12,15 +12,25 @@ here answers "nothing moved enough" first and then does nothing, and otherwise
 runs nvalchemi's own call unchanged. The check reads one number back to the host,
 which is free on a CPU; on an accelerator it would be a synchronisation per step,
 so there nvalchemi's own (sync-free) path always runs.
+
+A composed model (nvalchemi's ``PipelineModelWrapper``) that plans several
+lists (e.g. SevenNet-0's 5 Å and D3's 15 Å) gets the pipeline's own hook from
+its ``make_neighbor_hooks()``, which builds every list and leaves them all on
+the batch for the pipeline's forward, with one eager skin hook per list inside
+it; the skip applies to the whole (every list holds, or all go to nvalchemi's
+per-system rebuild). Emptying finished structures, carrying lists into a
+refilled batch and checkpoints work per list.
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nvalchemi_ase import devices
 from nvalchemi_ase._compat import (
     eager_call,
     empty_neighbor_rows,
@@ -28,15 +38,20 @@ from nvalchemi_ase._compat import (
     neighbor_hook_lists,
     neighbor_hook_reference,
     neighbor_hook_state,
+    pipeline_batch_sources,
+    pipeline_hook_inner,
     seed_neighbor_hook,
+    write_neighbor_hook_lists,
 )
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models.composition import composed_parts, neighbor_hook_for
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
+    "PipelineNeighborHook",
     "carry_neighbor_lists",
     "empty_neighbors",
     "is_neighbor_hook",
@@ -61,7 +76,9 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
         The model whose ``NeighborConfig`` (cutoff, format, half list) is used.
     skin : float
         Verlet skin, Å: the list is built to ``cutoff + skin`` and rebuilt only
-        when an atom moved more than ``skin / 2`` since the last build.
+        when an atom moved more than ``skin / 2`` since the last build. A list
+        read whole by D3 (whose coordination numbers sum every listed pair)
+        takes no skin: it is rebuilt exactly at the cutoff every step.
 
     Returns
     -------
@@ -70,16 +87,108 @@ def neighbor_hooks(model: BaseModelMixin, skin: float) -> list[Any]:
         needs no neighbour list. Its ``builds`` attribute counts the calls that
         reached nvalchemi's list code.
     """
+    stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+    exact = [
+        part.model_config.neighbor_config.cutoff
+        for part in composed_parts(model)
+        if _needs_exact_list(part)
+    ]
+
+    def make(config: Any) -> Any:
+        own = 0.0 if any(abs(c - config.cutoff) < 1e-6 for c in exact) else skin
+        return _skipping_hook_class()(config, skin=own, stage=stages.BEFORE_COMPUTE)
+
+    pipeline_hook = neighbor_hook_for(model, make)
+    if pipeline_hook is not None:
+        return [PipelineNeighborHook(pipeline_hook, skin)]
     config = model.model_config.neighbor_config
     if config is None:
         return []
-    stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
-    return [_skipping_hook_class()(config, skin=skin, stage=stages.BEFORE_COMPUTE)]
+    return [make(config)]
+
+
+def _needs_exact_list(model: Any) -> bool:
+    """Whether ``model`` reads every listed pair, so its list takes no skin.
+
+    nvalchemiops' D3 kernel counts coordination numbers over every neighbour
+    in the list, with no cutoff of its own: a list built to ``cutoff + skin``
+    would change its energies (1e-6 Å over ten MD steps of a Cu slab).
+    """
+    return model.model_config.neighbor_config is not None and any(
+        cls.__name__ == "DFTD3ModelWrapper" for cls in type(model).__mro__
+    )
 
 
 def is_neighbor_hook(hook: object) -> bool:
     """Whether ``hook`` is a neighbour-list hook made by :func:`neighbor_hooks`."""
-    return isinstance(hook, _skipping_hook_class())
+    return isinstance(hook, _skipping_hook_class() | PipelineNeighborHook)
+
+
+class PipelineNeighborHook:
+    """A composed model's neighbour hook (nvalchemi's), skipped while its skin holds.
+
+    Parameters
+    ----------
+    pipeline_hook : object
+        The hook of the model's ``make_neighbor_hooks()`` (it builds every
+        planned list and leaves them on the batch), its inner hooks made by
+        :func:`neighbor_hooks` (one per list, skin ``skin``).
+    skin : float
+        Verlet skin, Å.
+
+    Attributes
+    ----------
+    lists : list
+        The inner hooks, one per list, largest cutoff first.
+    builds : int
+        Calls that reached nvalchemi's hook.
+    """
+
+    def __init__(self, pipeline_hook: Any, skin: float) -> None:
+        self.pipeline = pipeline_hook
+        self.lists: list[Any] = pipeline_hook_inner(pipeline_hook)
+        for inner in self.lists:
+            inner.skip_when_holding = False  # decided here, for all lists at once
+        self.skin = skin
+        self.stage = pipeline_hook.stage
+        self.frequency = 1
+        self.builds = 0
+        self._written: Any = None
+
+    def __call__(self, ctx: Any, stage: Any) -> None:
+        """Build every list (nvalchemi's hook) unless all still hold for the batch."""
+        batch = ctx.batch
+        if (
+            self._written is not None
+            and pipeline_batch_sources(batch) is self._written
+            and all(_within_skin(inner, batch) for inner in self.lists)
+        ):
+            return
+        self.pipeline(ctx, stage)
+        self.builds += 1
+        self._written = pipeline_batch_sources(batch)
+
+    def rewrite(self, batch: Batch) -> None:
+        """Put the inner hooks' current lists on ``batch`` again, none rebuilt."""
+        for inner in self.lists:
+            inner.hold = True
+        try:
+            self.pipeline(SimpleNamespace(batch=batch), self.stage)
+        finally:
+            for inner in self.lists:
+                inner.hold = False
+        self._written = pipeline_batch_sources(batch)
+
+
+def _list_hooks(hooks: list[Any]) -> list[Any]:
+    """Return the hooks holding one list each (a composed model's, each of its)."""
+    flat: list[Any] = []
+    for hook in hooks:
+        if isinstance(hook, PipelineNeighborHook):
+            flat += hook.lists
+        elif is_neighbor_hook(hook):
+            flat.append(hook)
+    return flat
 
 
 @functools.cache
@@ -98,10 +207,17 @@ def _skipping_hook_class() -> type:
             self._cell_at_build: torch.Tensor | None = None
             #: Atom rows kept empty (:func:`empty_neighbors`), or None.
             self.emptied: torch.Tensor | None = None
+            #: False inside a composed model's hook, which decides for all lists.
+            self.skip_when_holding = True
+            #: True while a composed model's hook rewrites lists (none rebuilt).
+            self.hold = False
 
         def __call__(self, ctx: Any, stage: Any) -> None:
             batch = ctx.batch
-            if _list_still_holds(self, batch):
+            if self.hold:
+                write_neighbor_hook_lists(self, batch)
+                return
+            if self.skip_when_holding and _list_still_holds(self, batch):
                 return
             eager(self, ctx, stage)
             self.builds += 1
@@ -135,12 +251,13 @@ def empty_neighbors(hooks: list[Any], batch: Batch, systems: torch.Tensor) -> No
     rows = torch.nonzero(systems.to(batch.device)[batch.batch_idx.long()]).squeeze(1)
     if rows.numel() == 0:
         return
-    for hook in hooks:
-        if not is_neighbor_hook(hook):
-            continue
+    for hook in _list_hooks(hooks):
         hook.emptied = rows if hook.emptied is None else torch.cat([hook.emptied, rows])
         empty_neighbor_rows(hook, rows, batch)
         hook._written = _neighbor_data(batch)
+    for hook in hooks:
+        if isinstance(hook, PipelineNeighborHook):
+            hook.rewrite(batch)
 
 
 def carry_neighbor_lists(
@@ -177,8 +294,8 @@ def carry_neighbor_lists(
     new_batch : Batch
         The refilled batch (not evaluated yet).
     """
-    old = [hook for hook in old_hooks if is_neighbor_hook(hook)]
-    new = [hook for hook in new_hooks if is_neighbor_hook(hook)]
+    old = _list_hooks(old_hooks)
+    new = _list_hooks(new_hooks)
     for previous, fresh in zip(old, new, strict=False):
         lists = neighbor_hook_lists(previous)
         if not lists or neighbor_hook_lists(fresh):
@@ -249,6 +366,12 @@ def neighbor_state(hook: Any) -> dict[str, torch.Tensor]:
         [V, K, 3], ``reference_positions`` [V, 3] Å) and ``cell_at_build``
         [B, 3, 3] Å, the cells the skin test compares against.
     """
+    if isinstance(hook, PipelineNeighborHook):
+        return {
+            f"{index}.{key}": value
+            for index, inner in enumerate(hook.lists)
+            for key, value in neighbor_state(inner).items()
+        }
     state = neighbor_hook_state(hook)
     if state and hook._cell_at_build is not None:
         state["cell_at_build"] = hook._cell_at_build.clone()
@@ -272,6 +395,16 @@ def load_neighbor_state(
     """
     if not state:
         return
+    if isinstance(hook, PipelineNeighborHook):
+        for index, inner in enumerate(hook.lists):
+            prefix = f"{index}."
+            load_neighbor_state(
+                inner,
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)},
+                batch,
+            )
+        hook.rewrite(batch)
+        return
     load_neighbor_hook_state(hook, state, batch)
     hook._written = _neighbor_data(batch)
     cell = state.get("cell_at_build")
@@ -285,15 +418,26 @@ def _list_still_holds(hook: Any, batch: Batch) -> bool:
     same atoms and systems, the same cells, and no atom moved more than
     ``skin / 2`` since the list was built.
     """
-    if batch.positions.device.type != "cpu" or hook.skin <= 0.0:
+    return (
+        hook._written is not None
+        and _neighbor_data(batch) is hook._written
+        and _within_skin(hook, batch)
+    )
+
+
+def _within_skin(hook: Any, batch: Batch) -> bool:
+    """Whether ``hook``'s list still covers ``batch`` (CPU only): sizes, cells, moves.
+
+    Same atoms and systems as at the build, same cells, and no atom moved more
+    than ``skin / 2`` since.
+    """
+    if not devices.host_reads_are_free(batch.positions.device) or hook.skin <= 0.0:
         return False
     reference, allocated_atoms, allocated_systems = neighbor_hook_reference(hook)
     if (
         reference is None
-        or hook._written is None
         or allocated_atoms != batch.num_nodes
         or allocated_systems != batch.num_graphs
-        or _neighbor_data(batch) is not hook._written
     ):
         return False
     cell = getattr(batch, "cell", None)  # compared, not copied: this runs every step

@@ -1,12 +1,15 @@
-"""Progress of batched runs, on standard error: a bar on a terminal, lines elsewhere.
+"""Progress of batched runs: a bar on a terminal or in a notebook, lines elsewhere.
 
 A progress report shows steps done out of the ``steps`` asked for, the step
 rate, and for optimizers how many structures have converged. On a terminal it
-is a tqdm bar. When standard error is not a terminal (a pipe, a log file, CI)
-a bar would write carriage-return redraws into the log, so the report is plain
-lines instead: one every :data:`LINE_INTERVAL` seconds while the run goes on and
-one when it ends. ``progress=None`` turns progress on only when standard error
-is a terminal, so logs and CI output stay clean unless asked for.
+is a tqdm bar on standard error. In a Jupyter notebook it is tqdm's widget
+(``tqdm.notebook``) when ``ipywidgets`` is installed, otherwise a text bar in
+the cell's output (no "IProgress not found" warning). When standard error is
+neither (a pipe, a log file, CI) a bar would write carriage-return redraws into
+the log, so the report is plain lines instead: one every
+:data:`LINE_INTERVAL` seconds while the run goes on and one when it ends.
+``progress=None`` turns progress on only on a terminal or in a notebook, so
+logs and CI output stay clean unless asked for.
 
 Rates are printed with three significant digits, and below one per second as
 seconds per step (:func:`format_rate`), so a slow run never reads "0 steps/s".
@@ -15,6 +18,7 @@ seconds per step (:func:`format_rate`), so a slow run never reads "0 steps/s".
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import sys
 import time
@@ -25,7 +29,9 @@ __all__ = [
     "ProgressBar",
     "format_rate",
     "format_significant",
+    "in_notebook",
     "is_terminal",
+    "notebook_widgets_available",
     "progress_enabled",
 ]
 
@@ -44,8 +50,24 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (IPython's kernel shell).
+
+    IPython is not imported here: outside a notebook or an IPython session it
+    is not in ``sys.modules`` and the answer is False.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def notebook_widgets_available() -> bool:
+    """Whether ``ipywidgets`` is installed (tqdm's notebook bar needs it)."""
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
 def progress_enabled(progress: bool | None) -> bool:
-    """Resolve ``progress``: True/False as given, None when stderr is a terminal.
+    """Resolve ``progress``: True/False as given, None: on a terminal or in a notebook.
 
     Parameters
     ----------
@@ -58,7 +80,7 @@ def progress_enabled(progress: bool | None) -> bool:
         Whether to report progress.
     """
     if progress is None:
-        return is_terminal(sys.stderr)
+        return is_terminal(sys.stderr) or in_notebook()
     return bool(progress)
 
 
@@ -117,7 +139,7 @@ def format_rate(count: float, seconds: float, unit: str = "step") -> str:
 
 
 class ProgressBar:
-    """Progress of one ``run``/``irun`` call: a tqdm bar on a terminal, else lines.
+    """Progress of one ``run``/``irun`` call: a tqdm bar or widget, else lines.
 
     Parameters
     ----------
@@ -128,7 +150,9 @@ class ProgressBar:
     unit : str
         What a step is called.
     file : text stream, optional
-        Where to write (default: standard error, looked up when created).
+        Where to write (default: standard error, looked up when created; in a
+        notebook, the cell's output: a widget, or a text bar without
+        ``ipywidgets``).
     interval : float, optional
         Seconds between progress lines when ``file`` is not a terminal
         (default :data:`LINE_INTERVAL`); a last line is always written at
@@ -153,18 +177,16 @@ class ProgressBar:
         self._postfix = ""
         self._closed = False
         self._start = self._last_line = time.perf_counter()
-        self._bar: Any = None
-        if is_terminal(self._file):
-            from tqdm.auto import tqdm
+        self._bar: Any = _new_bar(
+            self._total, description, unit, self._file, notebook=file is None
+        )
 
-            self._bar = tqdm(
-                total=self._total,
-                desc=description,
-                unit=unit,
-                file=self._file,
-                dynamic_ncols=True,
-                leave=True,
-            )
+    @property
+    def kind(self) -> str:
+        """How progress is shown: ``"widget"``, ``"bar"`` (text) or ``"lines"``."""
+        if self._bar is None:
+            return "lines"
+        return "widget" if type(self._bar).__module__ == "tqdm.notebook" else "bar"
 
     def step(self, postfix: str | None = None) -> None:
         """Count one step; ``postfix`` (e.g. ``"converged 3/32"``) is shown after it."""
@@ -213,3 +235,25 @@ class ProgressBar:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _new_bar(
+    total: int | None, description: str, unit: str, file: Any, *, notebook: bool
+) -> Any:
+    """Return a tqdm bar for ``file``, tqdm's widget in a notebook, or None."""
+    if notebook and in_notebook() and notebook_widgets_available():
+        from tqdm.notebook import tqdm as widget
+
+        return widget(total=total, desc=description, unit=unit, leave=True)
+    if not (is_terminal(file) or (notebook and in_notebook())):
+        return None
+    from tqdm.std import tqdm as text_bar
+
+    return text_bar(
+        total=total,
+        desc=description,
+        unit=unit,
+        file=file,
+        dynamic_ncols=True,
+        leave=True,
+    )

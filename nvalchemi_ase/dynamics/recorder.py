@@ -8,7 +8,7 @@ energy per atom and the largest force for optimizers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from nvalchemi_ase.dynamics.base import BatchedDynamics
+    from nvalchemi_ase.plotting import InlinePlot
 
 __all__ = ["Recorder"]
 
@@ -63,20 +64,31 @@ class Recorder:
         """
         return {key: np.asarray(values) for key, values in self._rows.items()}
 
-    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
-        """Draw the series into a PNG (see :mod:`nvalchemi_ase.plotting`).
+    @overload
+    def plot(self, path: str | Path, *, title: str | None = ...) -> Path: ...
+
+    @overload
+    def plot(self, path: None = ..., *, title: str | None = ...) -> InlinePlot: ...
+
+    def plot(
+        self, path: str | Path | None = None, *, title: str | None = None
+    ) -> Path | InlinePlot:
+        """Draw the series into a PNG, or inline in a notebook without a path.
+
+        See :mod:`nvalchemi_ase.plotting`.
 
         Parameters
         ----------
-        path : str or pathlib.Path
-            Output file.
+        path : str or pathlib.Path, optional
+            Output file; None returns an :class:`~nvalchemi_ase.plotting.InlinePlot`
+            (a notebook cell ending in ``record.plot()`` shows it).
         title : str, optional
             Figure title.
 
         Returns
         -------
-        pathlib.Path
-            The file written.
+        pathlib.Path or InlinePlot
+            The file written, or the plot.
         """
         from nvalchemi_ase import plotting
 

@@ -25,7 +25,24 @@ name               model                                       parameters (units
                    ``MACEWrapper`` (:mod:`.mace`)              ``head``
 ``"mace-*"``       MACE foundation models from the weights     ``dtype``, ``head``
                    folder (``mace-mp-0-medium``, ...)
+``"d3"``           DFT-D3(BJ) dispersion (nvalchemi's          ``functional``,
+                   ``DFTD3ModelWrapper``), tables and 173      ``damping``,
+                   functionals' parameters offline from        ``cutoff`` (Å),
+                   tad-dftd3 (extra ``d3``;                    ``smoothing_fraction``
+                   :mod:`~nvalchemi_ase.models.dispersion`)
 =================  ==========================================  =====================
+
+**Sums of models.** ``"a+b"`` sums the parts' energies, forces and stresses
+(:func:`~nvalchemi_ase.models.composition.compose`, nvalchemi's
+``PipelineModelWrapper``, each part with its own neighbour list, shared where
+the cutoffs are close): ``"sevennet-0+d3"``, ``"sevennet-0+d3(pbe)"``,
+``"lj+d3(b3lyp)"``, ``"lj(epsilon=0.01)+d3(r2scan, cutoff=20)"``. Inside a part's
+parentheses, a bare first value is its first parameter (D3's ``functional``)
+and ``key=value`` pairs the others. ``load_model("sevennet-0",
+dispersion="d3")`` (or ``dispersion=True``, or ``"d3(b3lyp)"``) adds the
+dispersion part to any model; a composed name takes no other keyword
+parameters except ``neighbor_adaptation`` and ``max_cutoff_ratio`` (nvalchemi's
+list-sharing policy).
 
 ``nvalchemi-ase models`` lists every name with its facts (:mod:`.registry`).
 
@@ -48,13 +65,21 @@ atomic numbers (None).
 
 from __future__ import annotations
 
+import ast
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from nvalchemi_ase.convert import _supported_elements
-from nvalchemi_ase.models import builtin, mace, registry, sevennet
+from nvalchemi_ase.models import (
+    builtin,
+    composition,
+    dispersion,
+    mace,
+    registry,
+    sevennet,
+)
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -104,6 +129,21 @@ registry.register(
         aliases=("7net-0",),
     )
 )
+registry.register(
+    registry.ModelInfo(
+        name="d3",
+        factory=dispersion.d3,
+        summary="DFT-D3(BJ) dispersion, two-body (nvalchemiops' kernel), by functional",
+        elements="H-Ra, Th (89)",
+        cutoff="15 Å, smoothed from 12 Å (parameters)",
+        dtype="any (kernel float32)",
+        licence="Apache-2.0 (nvalchemi; tables: tad-dftd3)",
+        extra="d3",
+        weights="tables ship in the tad-dftd3 wheel",
+        aliases=("dftd3", "d3bj"),
+    )
+)
+
 _SEVENNET_WHEEL = {
     "elements": "89 (H-Pu)",
     "cutoff": "5 Å",
@@ -155,6 +195,9 @@ for _name, _factory, _summary, _aliases in (
     )
 mace.register_models()
 
+#: Keyword parameters a composed name takes (the rest go in a part's parentheses).
+_COMPOSE_PARAMETERS = ("neighbor_adaptation", "max_cutoff_ratio")
+
 
 def available_models() -> list[str]:
     """Names accepted by :func:`load_model` (aliases included).
@@ -174,9 +217,14 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
     Parameters
     ----------
     name : str
-        One of :func:`available_models` (case-insensitive), e.g. ``"lj"``.
+        One of :func:`available_models` (case-insensitive), e.g. ``"lj"``, or
+        a sum of them, e.g. ``"sevennet-0+d3(pbe)"`` (see "Sums of models" in
+        this module's docstring).
     **params
-        Model parameters, in ASE units (see the table in this module's docstring).
+        Model parameters, in ASE units (see the table in this module's
+        docstring). ``dispersion=True`` (or ``"d3"``, ``"d3(b3lyp)"``: a model
+        name) adds that model to the one named: ``load_model("sevennet-0",
+        dispersion=True)`` is ``"sevennet-0+d3"``.
 
     Returns
     -------
@@ -186,7 +234,8 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
     Raises
     ------
     ValueError
-        For an unknown name (the known names are listed).
+        For an unknown name or part of a composed name (named, and the known
+        names listed).
     ImportError
         When the model's optional package is missing (the extra to install is
         named).
@@ -196,12 +245,99 @@ def load_model(name: str, **params: Any) -> BaseModelMixin:
     """
     if not isinstance(name, str):
         raise TypeError(f"model name must be a str, got {type(name).__name__}")
+    extra = params.pop("dispersion", None)
+    if extra is not None and extra is not False:
+        if extra is True:
+            extra = "d3"
+        if not isinstance(extra, str):
+            raise TypeError(
+                f"dispersion must be True, False, None or a model name such as "
+                f"'d3' or 'd3(b3lyp)', got {extra!r}"
+            )
+        return composition.compose(load_model(name, **params), load_model(extra))
+    parts = _split_parts(name)
+    if len(parts) == 1:
+        head, own = _part_call(parts[0], name)
+        return _load_one(head, {**own, **params})
+    unknown = sorted(set(params) - set(_COMPOSE_PARAMETERS))
+    if unknown:
+        raise TypeError(
+            f"{name}: a composed name takes only {list(_COMPOSE_PARAMETERS)} as "
+            f"keyword parameters, got {unknown}; put a part's parameters in its "
+            "parentheses, e.g. 'lj(epsilon=0.01)+d3(pbe, cutoff=20)'"
+        )
+    models = [_load_one(*_part_call(part, name), whole=name) for part in parts]
+    return composition.compose(*models, **params)
+
+
+def _split_parts(name: str) -> list[str]:
+    """``"a+b(c, d=1)"`` → ``["a", "b(c, d=1)"]`` ('+' inside parentheses kept)."""
+    parts, depth, start = [], 0, 0
+    for position, char in enumerate(name):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "+" and depth == 0:
+            parts.append(name[start:position].strip())
+            start = position + 1
+    parts.append(name[start:].strip())
+    if any(not part for part in parts) or depth != 0:
+        raise ValueError(
+            f"model {name!r}: expected parts joined by '+', each a model name with "
+            "optional parameters in parentheses, e.g. 'sevennet-0+d3(pbe)'"
+        )
+    return parts
+
+
+def _part_call(part: str, whole: str) -> tuple[str, dict[str, Any]]:
+    """``"d3(pbe, cutoff=20)"`` → ``("d3", {"functional": "pbe", "cutoff": 20})``."""
+    head, paren, rest = part.partition("(")
+    head = head.strip()
+    if not paren:
+        return head, {}
+    if not rest.endswith(")"):
+        raise ValueError(f"model {whole!r}: part {part!r} must end with ')'")
+    info = registry.lookup(head)
+    if info is None:
+        _unknown(head, whole)
+    names = list(inspect.signature(info.factory).parameters)
+    params: dict[str, Any] = {}
+    for index, item in enumerate(
+        filter(None, (i.strip() for i in rest[:-1].split(",")))
+    ):
+        key, equals, value = item.partition("=")
+        if not equals:
+            if index > 0 or not names:
+                raise ValueError(
+                    f"model {whole!r}: in {part!r} only the first value may be "
+                    f"given without a name (it is {names[0] if names else 'none'})"
+                )
+            key, value = names[0], item
+        params[key.strip()] = _literal(value.strip())
+    return head, params
+
+
+def _literal(text: str) -> Any:
+    """Read a number, bool or quoted string as Python does; other text as is."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def _unknown(part: str, whole: str) -> NoReturn:
+    where = "" if part == whole else f" (a part of {whole!r})"
+    raise ValueError(
+        f"unknown model {part!r}{where}; known models: {', '.join(available_models())} "
+        "(or pass any nvalchemi BaseModelMixin instance)"
+    )
+
+
+def _load_one(
+    name: str, params: dict[str, Any], whole: str | None = None
+) -> BaseModelMixin:
+    """Build one registered model from its name and keyword parameters."""
     info = registry.lookup(name)
     if info is None:
-        raise ValueError(
-            f"unknown model {name!r}; known models: {', '.join(available_models())} "
-            "(or pass any nvalchemi BaseModelMixin instance)"
-        )
+        _unknown(name, whole or name)
     factory = info.factory
     accepted = list(inspect.signature(factory).parameters)
     unknown = sorted(set(params) - set(accepted))
@@ -264,7 +400,7 @@ def resolve_model(model: BaseModelMixin | str, **params: Any) -> BaseModelMixin:
             f"model parameters {sorted(params)} can only be given with a model name; "
             "configure a model instance before passing it"
         )
-    return model
+    return composition.adopt(model)
 
 
 def model_native_dtype(model: BaseModelMixin) -> torch.dtype | None:

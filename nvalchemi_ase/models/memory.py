@@ -66,6 +66,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from nvalchemi_ase.models.composition import composed_parts
+
 if TYPE_CHECKING:
     from ase import Atoms
 
@@ -76,6 +78,7 @@ __all__ = [
     "MemoryEstimate",
     "available_memory",
     "count_edges",
+    "dense_matrix_estimate",
     "format_bytes",
     "memory_estimate",
 ]
@@ -218,6 +221,11 @@ def memory_estimate(
             if estimate.cutoff is not None
             else replace(estimate, cutoff=cutoff)
         )
+    parts = composed_parts(model)
+    if len(parts) > 1:
+        return _sum_of_parts(
+            [memory_estimate(part, dtype, device) for part in parts], cutoff
+        )
     measured = _MEASURED.get(type(model).__name__)
     if measured is not None:
         return measured(model, dtype, cutoff)
@@ -252,6 +260,56 @@ def _lennard_jones(
         edges_per_atom_hint=80.0,
         cutoff=cutoff,
         basis="measured (LJ, float64, CPU)",
+    )
+
+
+def dense_matrix_estimate(cutoff: float, name: str) -> MemoryEstimate:
+    """Estimate for a model that keeps nvalchemi's dense neighbour matrix (D3).
+
+    As for LJ: :data:`_LJ_BYTES_PER_SLOT` per slot of the matrix nvalchemi
+    sizes from ``cutoff`` + the dynamics' skin alone (not measured for
+    ``name``; the matrix and its shifts dominate).
+
+    Parameters
+    ----------
+    cutoff : float
+        The model's cutoff, Å.
+    name : str
+        The model, for :attr:`MemoryEstimate.basis`.
+
+    Returns
+    -------
+    MemoryEstimate
+        Per-atom bytes only.
+    """
+    return MemoryEstimate(
+        bytes_per_atom=_LJ_BYTES_PER_SLOT * _matrix_slots(cutoff + _DYNAMICS_SKIN),
+        bytes_per_edge=0.0,
+        edges_per_atom_hint=80.0,
+        cutoff=cutoff,
+        basis=f"{name}: neighbour-matrix width at its cutoff (as LJ, not measured)",
+    )
+
+
+def _sum_of_parts(
+    estimates: list[MemoryEstimate], cutoff: float | None
+) -> MemoryEstimate:
+    """Add a composed model's parts' estimates.
+
+    Edges are counted at the largest cutoff of the parts that pay per edge
+    (one such part in practice: an MLIP beside D3 or LJ), which over-counts
+    the others' edges: the estimate errs on the safe side.
+    """
+    per_edge = [e for e in estimates if e.bytes_per_edge > 0]
+    edge_cutoffs = [e.cutoff for e in per_edge if e.cutoff is not None]
+    return MemoryEstimate(
+        bytes_per_atom=sum(e.bytes_per_atom for e in estimates),
+        bytes_per_edge=sum(e.bytes_per_edge for e in per_edge),
+        edges_per_atom_hint=max(
+            (e.edges_per_atom_hint for e in per_edge), default=50.0
+        ),
+        cutoff=max(edge_cutoffs) if edge_cutoffs else cutoff,
+        basis="sum of its parts: " + "; ".join(e.basis for e in estimates),
     )
 
 

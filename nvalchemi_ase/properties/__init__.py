@@ -1,4 +1,4 @@
-"""Batched property workflows: EOS, elastic constants, phonons, vibrations.
+"""Batched property workflows: EOS, elastic, phonons, vibrations, surfaces, defects.
 
 Every function takes a list of materials and a model (a name, an nvalchemi
 model or an :class:`~nvalchemi_ase.calculator.NVAlchemiCalculator`), builds
@@ -20,23 +20,38 @@ function                   result (units)                      library for the f
                            path and a mesh, DOS                ``properties``)
 ``vibrations``             Hessian eV/Å², cm⁻¹ / THz           ``ase.vibrations``
 =========================  ==================================  ===================
+
+Energies of derived structures (every slab, supercell and reference of every
+material relaxed in one in-flight run; structures from ``ase.build``):
+``surface_energies`` (γ per facet, eV/Å² and J/m²), ``adsorption_energies``
+(E_ads per adsorbate and site, eV) and ``defect_formation_energies`` (E_f per
+vacancy, interstitial or substitution, eV).
 """
 
 from __future__ import annotations
 
+from nvalchemi_ase.properties.adsorption import AdsorptionResult, adsorption_energies
+from nvalchemi_ase.properties.defects import DefectResult, defect_formation_energies
 from nvalchemi_ase.properties.elastic import ElasticResult, elastic_constants, moduli
 from nvalchemi_ase.properties.eos import EOSResult, equation_of_state
 from nvalchemi_ase.properties.phonons import PhononResult, phonons
+from nvalchemi_ase.properties.surfaces import SurfaceResult, surface_energies
 from nvalchemi_ase.properties.vibrations import VibrationResult, vibrations
 
 __all__ = [
+    "AdsorptionResult",
+    "DefectResult",
     "EOSResult",
     "ElasticResult",
     "PhononResult",
+    "SurfaceResult",
     "VibrationResult",
+    "adsorption_energies",
+    "defect_formation_energies",
     "elastic_constants",
     "equation_of_state",
     "moduli",
     "phonons",
+    "surface_energies",
     "vibrations",
 ]

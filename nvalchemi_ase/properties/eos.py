@@ -10,13 +10,16 @@ it converges; shape at fixed volume: one batched optimizer run). ASE's
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+import ase.io
 import numpy as np
 from ase import Atoms, units
+from ase.calculators.singlepoint import SinglePointCalculator
 from ase.eos import EquationOfState, eos_names
 
 from nvalchemi_ase.properties._common import (
@@ -81,6 +84,12 @@ class EOSResult(MaterialResult):
     fit : ase.eos.EquationOfState
         ASE's fitted object (``fit.getplotdata()``, ``fit.plot()``); not
         written to JSON.
+    frames : list of ase.Atoms
+        The scaled cells in volume order (positions relaxed with ``relax``),
+        each with its energy (and, after an ion relaxation, forces) on a
+        ``SinglePointCalculator``; :meth:`write` saves them as one
+        multi-frame file, which ``ase gui``'s *Tools → Bulk modulus* reads.
+        Not written to JSON.
     """
 
     UNITS: ClassVar[dict[str, str]] = {
@@ -107,6 +116,37 @@ class EOSResult(MaterialResult):
     fit: EquationOfState | None = field(
         default=None, repr=False, metadata={"json": False}
     )
+    frames: list[Atoms] | None = field(
+        default=None, repr=False, metadata={"json": False}
+    )
+
+    def write(
+        self, filename: str | os.PathLike[str], format: str | None = None
+    ) -> None:
+        """Write the scan as one multi-frame file (e.g. ``"Cu-eos.extxyz"``).
+
+        Every frame carries its cell, positions and energy (eV), so
+        ``ase gui Cu-eos.extxyz`` → *Tools → Bulk modulus* fits the same
+        E(V) as this result.
+
+        Parameters
+        ----------
+        filename : str or path
+            Where to write; the format follows the name unless given.
+        format : str, optional
+            ASE's format name (``"extxyz"``, ``"traj"``, ...).
+
+        Raises
+        ------
+        ValueError
+            For a failed material (it has no frames).
+        """
+        if not self.frames:
+            raise ValueError(
+                f"material {self.index} ({self.formula}) has no EOS frames to "
+                f"write: {self.error or 'it was not computed'}"
+            )
+        ase.io.write(os.fspath(filename), self.frames, format=format)
 
 
 def equation_of_state(
@@ -257,11 +297,28 @@ def equation_of_state(
                 f"fitting the {eos} EOS",
             )
             result.relax_steps = relax_steps[rows]
+            result.frames = _frames(derived, results, rows)
         result.error = ledger.errors.get(index)
         if result.error is not None:
             result.v0 = result.e0 = result.B = result.fit = None
         out.append(result)
     return out
+
+
+def _frames(
+    derived: Sequence[Derived], results: list[dict[str, Any] | None], rows: list[int]
+) -> list[Atoms]:
+    """Return the material's scaled cells, each with its own results attached."""
+    frames = []
+    for k in rows:
+        atoms = derived[k].atoms.copy()
+        values = results[k] or {}
+        atoms.calc = SinglePointCalculator(
+            atoms,
+            **{key: values[key] for key in ("energy", "forces") if key in values},
+        )
+        frames.append(atoms)
+    return frames
 
 
 def _check_arguments(

@@ -1,4 +1,4 @@
-"""PNG plots of property results: E(V) with its fit, phonon bands and DOS.
+"""PNG plots of property results: E(V) with its fit, phonon bands and DOS, bars.
 
 Figures are ``matplotlib.figure.Figure`` objects rendered straight to PNG, so
 no display is needed and the caller's pyplot backend and figure list are left
@@ -16,10 +16,12 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure as FigureType
 
+    from nvalchemi_ase.properties.defects import DefectResult
     from nvalchemi_ase.properties.eos import EOSResult
     from nvalchemi_ase.properties.phonons import PhononResult
+    from nvalchemi_ase.properties.surfaces import SurfaceResult
 
-__all__ = ["plot_eos", "plot_phonons"]
+__all__ = ["plot_defect_energies", "plot_eos", "plot_phonons", "plot_surface_energies"]
 
 
 def plot_eos(result: EOSResult, path: str | Path, *, title: str | None = None) -> Path:
@@ -157,6 +159,101 @@ def _draw_band(axes: Axes, result: PhononResult) -> None:
     axes.set_xticks(ticks, labels)
     axes.set_xlim(x[0], x[-1])
     axes.set_ylabel("frequency [THz]")
+
+
+def plot_surface_energies(
+    result: SurfaceResult, path: str | Path, *, title: str | None = None
+) -> Path:
+    """Draw the surface energy of each facet, J/m², as bars.
+
+    Parameters
+    ----------
+    result : SurfaceResult
+        A computed (``ok``) result.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If the result has no surface energies (a failed material).
+    """
+    if result.surface_energies_si is None or result.miller is None:
+        raise ValueError(f"no surface energies to plot ({result.error or 'none'})")
+    labels = ["(" + " ".join(str(int(i)) for i in hkl) + ")" for hkl in result.miller]
+    return _bars(
+        labels,
+        np.asarray(result.surface_energies_si),
+        "surface energy [J/m²]",
+        title or result.formula,
+        path,
+    )
+
+
+def plot_defect_energies(
+    result: DefectResult, path: str | Path, *, title: str | None = None
+) -> Path:
+    """Draw the formation energy of each defect, eV, as bars.
+
+    Parameters
+    ----------
+    result : DefectResult
+        A computed (``ok``) result.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If the result has no formation energies (a failed material).
+    """
+    if result.formation_energies is None:
+        raise ValueError(f"no formation energies to plot ({result.error or 'none'})")
+    return _bars(
+        list(result.defects),
+        np.asarray(result.formation_energies),
+        "formation energy [eV]",
+        title or result.formula,
+        path,
+    )
+
+
+def _bars(
+    labels: list[str], values: np.ndarray, ylabel: str, title: str, path: str | Path
+) -> Path:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(1.2 + 0.9 * len(labels), 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    positions = np.arange(len(labels))
+    axes.bar(positions, values, color="C0", width=0.6)
+    for x, value in zip(positions, values, strict=True):
+        axes.annotate(
+            f"{value:.3g}",
+            (x, value),
+            ha="center",
+            va="bottom" if value >= 0 else "top",
+            fontsize=8,
+        )
+    axes.axhline(0.0, color="0.4", lw=0.6)
+    axes.set_xticks(positions, labels)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    return _save(figure, path)
 
 
 def _save(figure: FigureType, path: str | Path) -> Path:

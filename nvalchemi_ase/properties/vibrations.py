@@ -29,6 +29,7 @@ from ase import Atoms, units
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import atoms_to_batch
+from nvalchemi_ase.models.composition import build_neighbors
 from nvalchemi_ase.properties._common import (
     Derived,
     Ledger,
@@ -218,9 +219,7 @@ def _hessian_batch(
     batch = atoms_to_batch(
         structures, device=calc.device, dtype=calc.dtype, warn_dropped=False
     )
-    config = calc.model.model_config.neighbor_config
-    if config is not None:
-        import_quietly("nvalchemi.neighbors").compute_neighbors(batch, config=config)
+    build_neighbors(calc.model, batch)
     calc.model.compute_hessian(batch)
     packed = batch["hessian"].detach().to("cpu").double().numpy()
     blocks, offset = [], 0
