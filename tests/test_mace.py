@@ -87,6 +87,21 @@ def _periodic(atoms: Atoms) -> bool:
     return bool(atoms.pbc.all())
 
 
+@pytest.fixture(autouse=True)
+def _restore_default_dtype():
+    """MACECalculator sets torch's global default dtype; later tests need theirs."""
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+
+
+def test_loading_leaves_torchs_default_dtype_alone(model_file):
+    before = torch.get_default_dtype()
+    load_model("mace", path=model_file, dtype="float32")
+    load_model("mace", path=LEGACY_FILE)
+    assert torch.get_default_dtype() == before
+
+
 @pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     return save_random_mace(tmp_path_factory.mktemp("mace") / "random.model")
