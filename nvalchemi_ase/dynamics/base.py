@@ -234,6 +234,8 @@ class BatchedDynamics(AseBaseDynamics):
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
+        #: True while ``run``/``irun`` calls :meth:`step` (False: the user does).
+        self._run_is_stepping = False
         #: ``nsteps`` at which each structure was last written back (-1: never).
         self._written_at = np.full(len(atoms_list), -1)
         self._written = self._snapshot_atoms()
@@ -468,9 +470,17 @@ class BatchedDynamics(AseBaseDynamics):
         self._absorb_failures()
 
     def _write_back(
-        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+        self,
+        selected: npt.NDArray[np.bool_],
+        *,
+        results: bool = True,
+        stress: bool | None = None,
     ) -> None:
-        """Write the batch into the ``Atoms`` of the ``selected`` structures."""
+        """Write the batch into the ``Atoms`` of the ``selected`` structures.
+
+        ``stress``: whether the batch's stress is current (default: it was
+        computed for step ``nsteps``).
+        """
         keep = np.flatnonzero(selected)
         if not keep.size:
             return
@@ -483,7 +493,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.batch,
             results=results,
             momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
-            stress=self._stress_step == self.nsteps,
+            stress=self._stress_step == self.nsteps if stress is None else stress,
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
@@ -634,9 +644,21 @@ class BatchedDynamics(AseBaseDynamics):
 
         ``irun``/``run`` call it once per step, then count the step, as ASE's
         loops do, so a subclass may override it (calling ``super().step()``).
-        The batch holds the new state on the device; the ``Atoms`` are written
-        when an observer or the end of the run needs them.
+        Inside a run the batch holds the new state on the device and the
+        ``Atoms`` are written when an observer or the end of the run needs
+        them. Called directly (``for _ in range(n): dyn.step()``), it takes in
+        what the caller changed in the ``Atoms``, evaluates the initial state
+        first if nothing has been evaluated yet, and leaves every ``Atoms``
+        holding the new positions, momenta (MD), cell and results, as ASE's
+        ``step`` does. No observer is called and ``nsteps`` stays, as in ASE.
         """
+        if self._run_is_stepping:
+            self._step_engine()
+        else:
+            self._step_directly()
+
+    def _step_engine(self) -> None:
+        """One engine step over the batch; the ``Atoms`` are not touched."""
         self._hook_nsteps = self.nsteps + 1
         try:
             with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
@@ -648,9 +670,36 @@ class BatchedDynamics(AseBaseDynamics):
                 "latest state, the others their last written one)"
             ) from error
 
+    def _step_directly(self) -> None:
+        """:meth:`step` called by the user: one step, then every ``Atoms`` written.
+
+        On an error the ``Atoms`` keep their last written state.
+        """
+        self._adopt_external_changes()
+        opened = self._driver.open()
+        try:
+            self._prime()
+            self._step_engine()
+        finally:
+            if opened:
+                self._driver.close()
+        self._absorb_failures(raise_now=False)
+        self._write_back(
+            np.ones(len(self.images), dtype=bool),
+            stress=self._stress_step == self.nsteps + 1,
+        )
+        # the batch's results are those of this step, not of step ``nsteps``
+        self._stress_step = -1
+        self._synced_nsteps = self.nsteps
+        self._absorb_failures()
+
     def _advance(self) -> None:
         """One step (:meth:`step`); ``nsteps`` counts it."""
-        self.step()
+        self._run_is_stepping = True
+        try:
+            self.step()
+        finally:
+            self._run_is_stepping = False
         self.nsteps += 1
         if self._reads_are_free:
             self._absorb_failures()

@@ -391,6 +391,11 @@ class BatchedOptimizer(BatchedDynamics):
     def step(self, f: Any = None) -> None:
         """One step of every structure (ASE's ``step``; ``nsteps`` unchanged).
 
+        Called directly, it moves every structure that has not failed, a
+        converged one included (as ASE's ``step`` does), and leaves the
+        ``Atoms`` holding the new positions, cell and the results there (see
+        :meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.step`).
+
         Parameters
         ----------
         f : None
@@ -402,6 +407,9 @@ class BatchedOptimizer(BatchedDynamics):
                 "step(f) with given forces is not supported: batched optimizers "
                 "evaluate the model themselves; call step() without forces"
             )
+        if not self._run_is_stepping and "status" in self.batch:
+            # a run froze its converged structures; ASE's step moves them
+            self._publish_status(self._guard.known_mask)
         super().step()
 
     def irun(
