@@ -216,7 +216,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._hook_nsteps = 0
         self._guard = FailureGuard(
             self.batch,
-            failure_limits or FailureLimits(),
+            failure_limits or self.default_failure_limits(),
             ase_step=lambda: self._hook_nsteps,
         )
         self._failures: list[StructureFailure] = []
@@ -307,6 +307,17 @@ class BatchedDynamics(AseBaseDynamics):
     def default_skin(self) -> float:
         """Verlet skin of the neighbour list when none is given, Å."""
         return DEFAULT_SKIN
+
+    def default_failure_limits(self) -> FailureLimits:
+        """Failure limits when ``failure_limits`` is not given (engine protocol).
+
+        Returns
+        -------
+        FailureLimits
+            :class:`~nvalchemi_ase.dynamics.failures.FailureLimits`' defaults;
+            optimizers widen them to the steps their own algorithm takes.
+        """
+        return FailureLimits()
 
     def _engine_freezes_atoms(self) -> bool:
         """Whether the engine keeps frozen atoms itself (no ``FreezeAtomsHook``)."""

@@ -1,0 +1,80 @@
+"""Behaviours ASE's own md/optimize tests check, on this package's classes.
+
+Each test names the ASE 3.29 test (``ase/test/...``) it follows; ASE's own
+class on the same LJ model is the reference wherever the algorithm is ASE's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ase.build import bulk
+from ase.optimize import FIRE as AseFIRE
+
+from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.dynamics.failures import FailureLimits
+from nvalchemi_ase.md import VelocityVerlet
+from nvalchemi_ase.optimize import BFGS, FIRE
+
+ENERGY_TOL = 1e-8  # eV, same algorithm and float64 model on both sides
+
+
+def _fresh(model):
+    return NVAlchemiCalculator(model, device="cpu", dtype="float64")
+
+
+def _distorted_argon():
+    """ASE's ``distorted_bulk_gold`` fixture in argon: 2x2x2 fcc, atom 0 moved."""
+    atoms = bulk("Ar", "fcc", a=5.26) * (2, 2, 2)
+    atoms[0].x += 1.4  # far enough that ASE's FIRE jumps tens of Å
+    return atoms
+
+
+def test_fire_takes_the_long_steps_ases_fire_takes(lj_calc64):
+    """ase/test/optimize/test_fire.py: dt = dtmax = 1, maxstep = 100 Å.
+
+    (With ``downhill_check=True`` ASE's path on argon brings two atoms within
+    0.04 Å, which the calculator refuses as a duplicated site.)
+    """
+    kwargs = {"dtmax": 1.0, "dt": 1.0, "maxstep": 100.0, "downhill_check": False}
+    reference = _distorted_argon()
+    reference.calc = _fresh(lj_calc64.model)
+    ase_opt = AseFIRE(reference, logfile=None, **kwargs)
+    previous = [reference.positions.copy()]
+    longest, strongest = [], []
+
+    def watch():
+        step = np.linalg.norm(reference.positions - previous[0], axis=1).max()
+        longest.append(step)
+        strongest.append(np.linalg.norm(reference.get_forces(), axis=1).max())
+        previous[0] = reference.positions.copy()
+
+    ase_opt.attach(watch)
+    assert ase_opt.run(fmax=0.001)
+    # ASE's own path crosses MD's limits; the optimizer must follow it
+    defaults = FailureLimits()
+    assert max(longest) > defaults.max_displacement
+    assert max(strongest) > defaults.max_force
+    atoms = _distorted_argon()
+    atoms.calc = lj_calc64
+    opt = FIRE(atoms, logfile=None, **kwargs)
+    assert opt.run(fmax=0.001)
+    assert opt.failures == []
+    assert opt.nsteps == ase_opt.nsteps
+    assert atoms.get_potential_energy() == pytest.approx(
+        reference.get_potential_energy(), abs=ENERGY_TOL
+    )
+
+
+def test_failure_limit_defaults_per_kind(lj_calc64):
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
+    atoms.calc = lj_calc64
+    assert VelocityVerlet(atoms, 1.0)._guard.limits == FailureLimits()
+    assert BFGS(atoms, logfile=None)._guard.limits == FailureLimits(
+        max_force=np.inf, max_displacement=2.0
+    )  # ASE's maxstep 0.2 Å: MD's 2 Å stays
+    fire = FIRE(atoms, logfile=None, maxstep=1.5)
+    assert fire._guard.limits.max_force == np.inf
+    assert fire._guard.limits.max_displacement == 3.0
+    given = FailureLimits(max_force=10.0, max_displacement=0.1)
+    assert BFGS(atoms, logfile=None, failure_limits=given)._guard.limits == given
