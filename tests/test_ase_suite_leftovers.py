@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from ase import Atoms
 from ase.build import bulk
 from ase.optimize import FIRE as AseFIRE
+from ase.optimize import RestartError
 
 from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.dynamics.checkpoint import CheckpointError
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.md import VelocityVerlet
 from nvalchemi_ase.optimize import BFGS, FIRE
@@ -78,3 +81,19 @@ def test_failure_limit_defaults_per_kind(lj_calc64):
     assert fire._guard.limits.max_displacement == 3.0
     given = FailureLimits(max_force=10.0, max_displacement=0.1)
     assert BFGS(atoms, logfile=None, failure_limits=given)._guard.limits == given
+
+
+@pytest.mark.parametrize("with_atoms", [False, True])
+def test_bad_restart_raises_ases_restart_error(tmp_path, with_atoms, lj_calc64):
+    """ase/test/optimize/test_restart.py::test_bad_restart."""
+    path = tmp_path / "tmp.dat"
+    path.write_text("hello world\n")
+    atoms = Atoms()
+    if with_atoms:
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
+        atoms.calc = lj_calc64
+    with pytest.raises(RestartError, match="Could not decode") as caught:
+        BFGS(atoms, restart=str(path))
+    assert isinstance(caught.value, CheckpointError)
+    assert isinstance(caught.value, ValueError)  # as before
+    assert path.read_text() == "hello world\n"  # not overwritten

@@ -187,6 +187,12 @@ class BatchedDynamics(AseBaseDynamics):
                 "failure_limits must be a nvalchemi_ase.dynamics.failures."
                 f"FailureLimits, got {type(failure_limits).__name__}"
             )
+        # a restart file that cannot be used is named first, as ASE does
+        checkpoint = (
+            read_checkpoint(restart)
+            if restart is not None and os.path.exists(restart)
+            else None
+        )
         atoms_list, cell_filter, single = resolve_images(
             images, allow_cell_filters=self.accepts_cell_filters
         )
@@ -256,9 +262,9 @@ class BatchedDynamics(AseBaseDynamics):
         self._log_paths = log_paths(logfile, len(atoms_list))
         #: Continued from a checkpoint (``restart=`` names an existing file;
         #: a file that does not match is refused before this object exists).
-        self._continued = restart is not None and os.path.exists(restart)
+        self._continued = checkpoint is not None
         self._setup_logging(logfile)
-        self._setup_restart(restart, restart_interval)
+        self._setup_restart(restart, restart_interval, checkpoint)
 
     # ------------------------------------------------------------------
     # Engine protocol: what an md/ or optimize/ class tells the run machinery
@@ -906,9 +912,12 @@ class BatchedDynamics(AseBaseDynamics):
             self._checkpoint_nsteps = self.nsteps
 
     def _setup_restart(
-        self, restart: str | os.PathLike[str] | None, interval: int | None
+        self,
+        restart: str | os.PathLike[str] | None,
+        interval: int | None,
+        checkpoint: Checkpoint | None,
     ) -> None:
-        """Continue from ``restart`` if it exists; schedule its writes."""
+        """Continue from ``checkpoint`` (``restart``, read); schedule its writes."""
         self.restart: str | None = None if restart is None else os.fspath(restart)
         self.restart_interval = (
             DEFAULT_RESTART_INTERVAL
@@ -927,8 +936,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._trajectory_frames0: npt.NDArray[np.int64] | None = None
         if self.restart is None:
             return
-        if os.path.exists(self.restart):
-            checkpoint = read_checkpoint(self.restart)
+        if checkpoint is not None:
             check_matches(self, checkpoint)
             self._continue_from(checkpoint)
         if self.trajectories:
