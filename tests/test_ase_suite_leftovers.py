@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ase import Atoms
+from ase import Atoms, units
 from ase.build import bulk
+from ase.md import thermalize_momenta
 from ase.optimize import FIRE as AseFIRE
 from ase.optimize import RestartError
 
 from nvalchemi_ase import NVAlchemiCalculator
 from nvalchemi_ase.dynamics.checkpoint import CheckpointError
 from nvalchemi_ase.dynamics.failures import FailureLimits
-from nvalchemi_ase.md import VelocityVerlet
+from nvalchemi_ase.md import Bussi, Langevin, VelocityVerlet
 from nvalchemi_ase.optimize import BFGS, FIRE
 
 ENERGY_TOL = 1e-8  # eV, same algorithm and float64 model on both sides
@@ -97,3 +98,55 @@ def test_bad_restart_raises_ases_restart_error(tmp_path, with_atoms, lj_calc64):
     assert isinstance(caught.value, CheckpointError)
     assert isinstance(caught.value, ValueError)  # as before
     assert path.read_text() == "hello world\n"  # not overwritten
+
+
+def test_bussi_attributes_for_one_atoms_are_ases_floats(lj_calc64):
+    """ase/test/md/test_bussi.py::test_bussi, on a one-atom argon cell."""
+    atoms = bulk("Ar", "fcc", a=5.26)
+    atoms.calc = lj_calc64
+    with pytest.raises(ValueError, match="zero kinetic energy"):
+        Bussi(atoms, 0.1 * units.fs, 300, 100 * units.fs).run(1)
+    thermalize_momenta(atoms, 300.0, rng=np.random.default_rng(seed=42))
+    with Bussi(atoms, 0.1 * units.fs, 300, 100 * units.fs) as dyn:
+        dyn.run(10)
+    assert dyn.taut == 100 * units.fs
+    assert dyn.temp == 300 * units.kB
+    assert dyn.dt == 0.1 * units.fs
+    assert dyn.ndof == 3
+    assert dyn.target_kinetic_energy == 0.5 * dyn.temp * dyn.ndof
+    assert isinstance(dyn.transferred_energy, float)
+    assert dyn.transferred_energy != 0.0
+
+
+def test_bussi_conserves_total_minus_transferred_energy_for_one_atoms(lj_calc64):
+    """ase/test/md/test_bussi.py::test_bussi_transfered_energy_conservation."""
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True) * (2, 2, 2)
+    atoms.calc = lj_calc64
+    thermalize_momenta(atoms, 300.0, rng=np.random.default_rng(seed=42))
+    with Bussi(atoms, 1.0e-5 * units.fs, 300, 100 * units.fs, seed=42) as dyn:
+        conserved = [
+            dyn.atoms.get_total_energy() - dyn.transferred_energy for _ in dyn.irun(100)
+        ]
+    assert np.unique(np.round(conserved, 10)).size == 1
+
+
+#: ASE's ``Langevin`` attributes that ASAP reads (ase/test/md/test_langevin_asapcompat).
+ASE_LANGEVIN_SPLITTING = ("c1", "c2", "c3", "c4", "c5", "v", "rnd_pos", "rnd_vel")
+
+
+def test_langevin_has_ases_bath_attributes_not_its_splitting(lj_calc64):
+    """Known limit: ``temp`` and ``fr`` are ASE's; the splitting's are not.
+
+    ``c1``-``c5``, ``v``, ``rnd_pos`` and ``rnd_vel`` are the coefficients and
+    per-step arrays of ASE's own Langevin splitting, which ASAP re-runs in its
+    own code; this class integrates with nvalchemi's BAOAB, so they would
+    describe an integrator that is not running (README, Known limits).
+    """
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True)
+    atoms.calc = lj_calc64
+    thermalize_momenta(atoms, 300.0, rng=np.random.default_rng(seed=1))
+    dyn = Langevin(atoms, 1 * units.fs, temperature_K=300.0, friction=0.02, seed=1)
+    dyn.run(1)
+    assert dyn.temp == pytest.approx(300.0 * units.kB)
+    assert dyn.fr == 0.02
+    assert not any(hasattr(dyn, name) for name in ASE_LANGEVIN_SPLITTING)
