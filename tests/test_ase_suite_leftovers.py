@@ -15,6 +15,7 @@ from ase.optimize import FIRE as AseFIRE
 from ase.optimize import RestartError
 
 from nvalchemi_ase import NVAlchemiCalculator
+from nvalchemi_ase.convert import StructureError
 from nvalchemi_ase.dynamics.checkpoint import CheckpointError
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.md import Bussi, Langevin, VelocityVerlet
@@ -150,3 +151,15 @@ def test_langevin_has_ases_bath_attributes_not_its_splitting(lj_calc64):
     assert dyn.temp == pytest.approx(300.0 * units.kB)
     assert dyn.fr == 0.02
     assert not any(hasattr(dyn, name) for name in ASE_LANGEVIN_SPLITTING)
+
+
+def test_ghost_atoms_are_refused_before_any_model_call(lj_calc64):
+    """ase/test/test_stress.py uses bulk('X'); here Z = 0 is named and refused."""
+    atoms = bulk("X", "fcc", a=1.5)
+    atoms.calc = lj_calc64
+    with pytest.raises(StructureError, match=r"numbers\[0\].*outside 1-118"):
+        atoms.get_potential_energy()
+    argon = atoms.copy()
+    argon.numbers[:] = 18  # what to do instead: LJ does not read the element
+    argon.calc = lj_calc64
+    assert np.isfinite(argon.get_potential_energy())
