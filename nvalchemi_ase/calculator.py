@@ -110,12 +110,13 @@ class NVAlchemiCalculator(Calculator):
     ``atoms.calc.results`` directly. When this calculator is attached to several
     ``Atoms`` (``atoms.calc = calc`` for a whole list, as batched dynamics
     leave them), the first structure it serves keeps it, and every other
-    structure that asks it for results — or gets results stored by a batched
-    run — is given its own view: ``atoms.calc`` becomes an
-    ``NVAlchemiCalculator`` sharing this one's model, device, dtype and
-    buffers, holding that structure's results only. So ``atoms.get_*()``,
-    ``atoms.calc.results``, ``ase.io.write`` (extxyz, traj) and ``ase.db`` give
-    every structure its own numbers.
+    structure that asks it for results — or gets results from
+    :meth:`calculate_batch` or a batched run — is given its own view:
+    ``atoms.calc`` becomes an ``NVAlchemiCalculator`` sharing this one's
+    model, device, dtype and buffers, holding that structure's results only.
+    So ``atoms.get_*()``, ``atoms.calc.results``, ``ase.io.write`` (extxyz,
+    traj) and ``ase.db`` give every structure its own numbers, and moving one
+    structure invalidates its results only.
 
     Examples
     --------
@@ -307,10 +308,17 @@ class NVAlchemiCalculator(Calculator):
     ) -> list[dict[str, Any]]:
         """Evaluate many structures in one model call.
 
+        Structures this calculator is attached to (``atoms.calc = calc``, or
+        a view it gave them) keep their results: afterwards
+        ``atoms.get_potential_energy()`` etc., ``atoms.calc.results``,
+        ``ase.io.write`` and ``ase.db`` give each structure its own numbers
+        without another model call, until that structure changes (see the
+        class notes on views). Other structures' calculators are not touched.
+
         Parameters
         ----------
         images : ase.Atoms or sequence of ase.Atoms
-            B structures (never modified; their calculators are not touched).
+            B structures (positions, cell, arrays and info are never modified).
         properties : sequence of str
             Properties wanted; ``stress`` is returned only for structures whose
             cell has rank 3.
@@ -329,7 +337,17 @@ class NVAlchemiCalculator(Calculator):
             For an invalid structure (index, field and fix named), before any
             model call.
         """
-        return self._evaluate(as_atoms_list(images), properties)
+        atoms_list = as_atoms_list(images)
+        results = self._evaluate(atoms_list, properties)
+        self._keep_results(atoms_list, results)
+        return results
+
+    def _keep_results(self, images: list[Atoms], results: list[dict[str, Any]]) -> None:
+        """Store each result in its structure's calculator if that is this one."""
+        for atoms, result in zip(images, results, strict=True):
+            calc = atoms.calc
+            if isinstance(calc, NVAlchemiCalculator) and calc._shared is self._shared:
+                calc.store_results(atoms, _copied(result))
 
     # -- internals -------------------------------------------------------------
 
@@ -382,6 +400,14 @@ class NVAlchemiCalculator(Calculator):
             for key, value in outputs.items()
             if isinstance(value, torch.Tensor)
         }
+
+
+def _copied(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with fresh arrays (the caller keeps the returned ones)."""
+    return {
+        key: value.copy() if isinstance(value, np.ndarray) else value
+        for key, value in results.items()
+    }
 
 
 def _is_on(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:

@@ -6,6 +6,8 @@ structure alone.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from ase import Atoms
@@ -51,15 +53,17 @@ def _assert_own(
     )
 
 
-@pytest.fixture(params=["batched run", "one by one"])
+@pytest.fixture(params=["batched run", "calculate_batch", "one by one"])
 def evaluated(request):
-    """Structures sharing one calculator, after a batched run or ASE-style calls."""
+    """Structures sharing one calculator, after batched or ASE-style evaluations."""
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     images = _mixed()
     for atoms in images:
         atoms.calc = calc
     if request.param == "batched run":
         FIRE(images, logfile=None).run(fmax=0.05, steps=5)
+    elif request.param == "calculate_batch":
+        calc.calculate_batch(images)
     else:
         for atoms in images:
             atoms.get_potential_energy()
@@ -115,3 +119,89 @@ def test_structure_of_other_atoms_count_after_sharing(evaluated):
     _assert_own(extra.get_potential_energy(), extra.get_forces(), extra)
     for atoms in images:
         _assert_own(atoms.calc.results["energy"], atoms.calc.results["forces"], atoms)
+
+
+@contextmanager
+def _model_calls(model):
+    """Count forward calls of ``model`` inside the block."""
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_calculate_batch_results_reach_every_ase_path_without_a_model_call(tmp_path):
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _mixed()
+    for atoms in images:
+        atoms.calc = calc
+    with _model_calls(calc.model) as calls:
+        returned = calc.calculate_batch(images, ["energy", "forces", "stress"])
+    assert len(calls) == 1
+    with _model_calls(calc.model) as calls:
+        for atoms, result in zip(images, returned, strict=True):
+            assert atoms.get_potential_energy() == result["energy"]
+            np.testing.assert_array_equal(atoms.get_forces(), result["forces"])
+            np.testing.assert_array_equal(atoms.get_stress(), result["stress"])
+            assert atoms.calc.results["energy"] == result["energy"]
+        assert calc.results["energy"] == returned[0]["energy"]  # calc: images[0]
+        write(tmp_path / "out.extxyz", images)
+        write(tmp_path / "out.traj", images)
+        with connect(tmp_path / "out.db") as db:
+            ids = [db.write(atoms) for atoms in images]
+    assert not calls
+    extxyz = read(tmp_path / "out.extxyz", ":")
+    traj = read(tmp_path / "out.traj", ":")
+    with connect(tmp_path / "out.db") as db:
+        rows = [db.get(id=row_id) for row_id in ids]
+    for k, atoms in enumerate(images):
+        _assert_own(
+            extxyz[k].get_potential_energy(), extxyz[k].get_forces(), atoms, EXTXYZ_ATOL
+        )
+        _assert_own(traj[k].get_potential_energy(), traj[k].get_forces(), atoms)
+        _assert_own(rows[k].energy, rows[k].forces, atoms)
+        np.testing.assert_allclose(
+            traj[k].get_stress(),
+            returned[k]["stress"],
+            rtol=SAME_MODEL_RTOL,
+            atol=1e-14,
+        )
+
+
+def test_moving_one_structure_invalidates_only_its_results():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _mixed()
+    for atoms in images:
+        atoms.calc = calc
+    calc.calculate_batch(images)
+    images[2].positions[0] += 0.05
+    with _model_calls(calc.model) as calls:
+        answers = [(a.get_potential_energy(), a.get_forces()) for a in images]
+    assert len(calls) == 1  # images[2] only
+    for atoms, (energy, forces) in zip(images, answers, strict=True):
+        _assert_own(energy, forces, atoms)
+
+
+def test_calculate_batch_leaves_other_calculators_alone():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    other = NVAlchemiCalculator(calc.model, device="cpu", dtype="float64")
+    images = _mixed()
+    images[0].calc = other
+    images[1].calc = calc
+    calc.calculate_batch(images)
+    assert images[0].calc is other
+    assert not other.results
+    assert images[1].calc is calc
+    assert all(atoms.calc is None for atoms in images[2:])
+
+
+def test_returned_arrays_are_the_callers_own():
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    images = _mixed()
+    for atoms in images:
+        atoms.calc = calc
+    returned = calc.calculate_batch(images)
+    returned[1]["forces"][:] = 0.0
+    _assert_own(images[1].get_potential_energy(), images[1].get_forces(), images[1])

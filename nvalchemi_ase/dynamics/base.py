@@ -188,6 +188,12 @@ class BatchedDynamics(AseBaseDynamics):
                 "failure_limits must be a nvalchemi_ase.dynamics.failures."
                 f"FailureLimits, got {type(failure_limits).__name__}"
             )
+        # a restart file that cannot be used is named first, as ASE does
+        checkpoint = (
+            read_checkpoint(restart)
+            if restart is not None and os.path.exists(restart)
+            else None
+        )
         atoms_list, cell_filter, single = resolve_images(
             images, allow_cell_filters=self.accepts_cell_filters
         )
@@ -217,7 +223,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._hook_nsteps = 0
         self._guard = FailureGuard(
             self.batch,
-            failure_limits or FailureLimits(),
+            failure_limits or self.default_failure_limits(),
             ase_step=lambda: self._hook_nsteps,
         )
         self._failures: list[StructureFailure] = []
@@ -235,6 +241,8 @@ class BatchedDynamics(AseBaseDynamics):
         self._stress_step = -1
         self._primed = False
         self._synced_nsteps: int | None = None
+        #: True while ``run``/``irun`` calls :meth:`step` (False: the user does).
+        self._run_is_stepping = False
         #: ``nsteps`` at which each structure was last written back (-1: never).
         self._written_at = np.full(len(atoms_list), -1)
         self._written = self._snapshot_atoms()
@@ -255,9 +263,9 @@ class BatchedDynamics(AseBaseDynamics):
         self._log_paths = log_paths(logfile, len(atoms_list))
         #: Continued from a checkpoint (``restart=`` names an existing file;
         #: a file that does not match is refused before this object exists).
-        self._continued = restart is not None and os.path.exists(restart)
+        self._continued = checkpoint is not None
         self._setup_logging(logfile)
-        self._setup_restart(restart, restart_interval)
+        self._setup_restart(restart, restart_interval, checkpoint)
 
     # ------------------------------------------------------------------
     # Engine protocol: what an md/ or optimize/ class tells the run machinery
@@ -306,6 +314,17 @@ class BatchedDynamics(AseBaseDynamics):
     def default_skin(self) -> float:
         """Verlet skin of the neighbour list when none is given, Å."""
         return DEFAULT_SKIN
+
+    def default_failure_limits(self) -> FailureLimits:
+        """Failure limits when ``failure_limits`` is not given (engine protocol).
+
+        Returns
+        -------
+        FailureLimits
+            :class:`~nvalchemi_ase.dynamics.failures.FailureLimits`' defaults;
+            optimizers widen them to the steps their own algorithm takes.
+        """
+        return FailureLimits()
 
     def _engine_freezes_atoms(self) -> bool:
         """Whether the engine keeps frozen atoms itself (no ``FreezeAtomsHook``)."""
@@ -469,9 +488,17 @@ class BatchedDynamics(AseBaseDynamics):
         self._absorb_failures()
 
     def _write_back(
-        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+        self,
+        selected: npt.NDArray[np.bool_],
+        *,
+        results: bool = True,
+        stress: bool | None = None,
     ) -> None:
-        """Write the batch into the ``Atoms`` of the ``selected`` structures."""
+        """Write the batch into the ``Atoms`` of the ``selected`` structures.
+
+        ``stress``: whether the batch's stress is current (default: it was
+        computed for step ``nsteps``).
+        """
         keep = np.flatnonzero(selected)
         if not keep.size:
             return
@@ -484,7 +511,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.batch,
             results=results,
             momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
-            stress=self._stress_step == self.nsteps,
+            stress=self._stress_step == self.nsteps if stress is None else stress,
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
@@ -635,9 +662,21 @@ class BatchedDynamics(AseBaseDynamics):
 
         ``irun``/``run`` call it once per step, then count the step, as ASE's
         loops do, so a subclass may override it (calling ``super().step()``).
-        The batch holds the new state on the device; the ``Atoms`` are written
-        when an observer or the end of the run needs them.
+        Inside a run the batch holds the new state on the device and the
+        ``Atoms`` are written when an observer or the end of the run needs
+        them. Called directly (``for _ in range(n): dyn.step()``), it takes in
+        what the caller changed in the ``Atoms``, evaluates the initial state
+        first if nothing has been evaluated yet, and leaves every ``Atoms``
+        holding the new positions, momenta (MD), cell and results, as ASE's
+        ``step`` does. No observer is called and ``nsteps`` stays, as in ASE.
         """
+        if self._run_is_stepping:
+            self._step_engine()
+        else:
+            self._step_directly()
+
+    def _step_engine(self) -> None:
+        """One engine step over the batch; the ``Atoms`` are not touched."""
         self._hook_nsteps = self.nsteps + 1
         try:
             with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
@@ -649,9 +688,36 @@ class BatchedDynamics(AseBaseDynamics):
                 "latest state, the others their last written one)"
             ) from error
 
+    def _step_directly(self) -> None:
+        """:meth:`step` called by the user: one step, then every ``Atoms`` written.
+
+        On an error the ``Atoms`` keep their last written state.
+        """
+        self._adopt_external_changes()
+        opened = self._driver.open()
+        try:
+            self._prime()
+            self._step_engine()
+        finally:
+            if opened:
+                self._driver.close()
+        self._absorb_failures(raise_now=False)
+        self._write_back(
+            np.ones(len(self.images), dtype=bool),
+            stress=self._stress_step == self.nsteps + 1,
+        )
+        # the batch's results are those of this step, not of step ``nsteps``
+        self._stress_step = -1
+        self._synced_nsteps = self.nsteps
+        self._absorb_failures()
+
     def _advance(self) -> None:
         """One step (:meth:`step`); ``nsteps`` counts it."""
-        self.step()
+        self._run_is_stepping = True
+        try:
+            self.step()
+        finally:
+            self._run_is_stepping = False
         self.nsteps += 1
         if self._reads_are_free:
             self._absorb_failures()
@@ -847,9 +913,12 @@ class BatchedDynamics(AseBaseDynamics):
             self._checkpoint_nsteps = self.nsteps
 
     def _setup_restart(
-        self, restart: str | os.PathLike[str] | None, interval: int | None
+        self,
+        restart: str | os.PathLike[str] | None,
+        interval: int | None,
+        checkpoint: Checkpoint | None,
     ) -> None:
-        """Continue from ``restart`` if it exists; schedule its writes."""
+        """Continue from ``checkpoint`` (``restart``, read); schedule its writes."""
         self.restart: str | None = None if restart is None else os.fspath(restart)
         self.restart_interval = (
             DEFAULT_RESTART_INTERVAL
@@ -868,8 +937,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._trajectory_frames0: npt.NDArray[np.int64] | None = None
         if self.restart is None:
             return
-        if os.path.exists(self.restart):
-            checkpoint = read_checkpoint(self.restart)
+        if checkpoint is not None:
             check_matches(self, checkpoint)
             self._continue_from(checkpoint)
         if self.trajectories:

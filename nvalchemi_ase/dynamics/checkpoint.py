@@ -55,8 +55,8 @@ A checkpoint is written to a temporary file in the same directory
 intact (and at worst a stale temporary file, which is never read). A file
 that is not such a checkpoint, is damaged, or does not match the structures,
 class, model or arguments it is given is refused with a
-:class:`CheckpointError` (a ``ValueError``) naming the file, the field and the
-fix, before any step is taken.
+:class:`CheckpointError` (a ``ValueError`` and ASE's ``RestartError``)
+naming the file, the field and the fix, before any step is taken.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from ase.optimize.optimize import RestartError
 
 from nvalchemi_ase.dynamics.neighbors import (
     is_neighbor_hook,
@@ -123,8 +124,12 @@ _FIX = (
 )
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file that cannot be used: unreadable, foreign or mismatched."""
+class CheckpointError(ValueError, RestartError):
+    """A checkpoint file that cannot be used: unreadable, foreign or mismatched.
+
+    A ``ValueError`` and ASE's ``ase.optimize.RestartError``, the error ASE's
+    optimizers raise for a restart file they cannot use.
+    """
 
 
 @dataclass(frozen=True)
@@ -228,7 +233,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 arrays = {key: data[key] for key in data.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as error:
         raise CheckpointError(
-            f"restart file {path} cannot be read as an nvalchemi_ase checkpoint "
+            f"Could not decode restart file {path}: it cannot be read as an "
+            "nvalchemi_ase checkpoint "
             f"({type(error).__name__}: {error}); it may be damaged or written by "
             "another program. Remove it (or give another restart path) to start "
             "afresh"

@@ -62,11 +62,19 @@ class EngineDriver:
         self.batch = batch
         self._open = False
 
-    def open(self) -> None:
-        """Enter the engine's context-manager hooks (as ``run()`` does first)."""
-        if not self._open:
-            open_hooks(self.engine)
-            self._open = True
+    def open(self) -> bool:
+        """Enter the engine's context-manager hooks (as ``run()`` does first).
+
+        Returns
+        -------
+        bool
+            Whether this call entered them (False: they were open already).
+        """
+        if self._open:
+            return False
+        open_hooks(self.engine)
+        self._open = True
+        return True
 
     def close(self) -> None:
         """Exit the engine's context-manager hooks (as ``run()`` does last)."""

@@ -88,12 +88,15 @@ class FailureLimits:
     ----------
     max_force : float
         Largest atomic force norm, eV/Å (default 1e4). At 1e4 eV/Å a hydrogen
-        atom moves about 50 Å in one 1 fs step: no optimizer or integrator can
-        follow such a structure.
+        atom moves about 50 Å in one 1 fs step: no integrator can follow such
+        a structure. Optimizers with a ``maxstep`` default to no limit (their
+        steps are capped whatever the force; ``math.inf``).
     max_displacement : float
         Largest distance one atom may move in one step, Å (default 2.0). MD
-        steps move atoms by ~0.01-0.1 Å and ASE's optimizers cap steps at
-        0.2 Å; 2 Å per step means the trajectory has stopped being physical.
+        steps move atoms by ~0.01-0.1 Å; 2 Å per step means the trajectory has
+        stopped being physical. Optimizers default to the larger of 2 Å and
+        twice their ``maxstep`` (ASE's default 0.2 Å; ASE's own tests use up
+        to 100 Å).
     max_volume_factor : float
         Largest factor by which the cell volume may grow or shrink over a run
         relative to its start (default 4.0; variable-cell runs only can reach it).

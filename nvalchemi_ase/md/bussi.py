@@ -86,16 +86,16 @@ class Bussi(BatchedMolecularDynamics):
         return as_given(self, 0.5 * np.asarray(self.temp) * np.asarray(self.ndof))
 
     @property
-    def transferred_energy(self) -> npt.NDArray[np.float64]:
+    def transferred_energy(self) -> float | npt.NDArray[np.float64]:
         """Energy the thermostat has added to each structure, eV, shape (B,).
 
         ``Etot - transferred_energy`` is conserved up to the integration error
-        (ASE's attribute of the same name, one value per structure).
+        (ASE's attribute of the same name; a float for one ``Atoms``, as ASE).
         """
         energy = self.engine.transferred_energy
         if energy is None:
-            return np.zeros(len(self.images))
-        return energy.detach().cpu().numpy().astype(np.float64)
+            return as_given(self, np.zeros(len(self.images)))
+        return as_given(self, energy.detach().cpu().numpy().astype(np.float64))
 
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""

@@ -80,8 +80,8 @@ def as_given(
     ----------
     dyn : BatchedMolecularDynamics
         The dynamics.
-    values : numpy.ndarray, shape (B,)
-        One value per structure.
+    values : numpy.ndarray, shape (B,), or a float
+        One value per structure (a float: already one structure's value).
 
     Returns
     -------
@@ -89,5 +89,5 @@ def as_given(
     """
     atoms: Any = dyn.atoms
     if isinstance(atoms, Atoms):
-        return float(values[0])
+        return float(np.asarray(values, dtype=np.float64).reshape(-1)[0])
     return values

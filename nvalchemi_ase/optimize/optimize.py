@@ -8,7 +8,9 @@ the others go on. ``run`` returns True when all have converged;
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
 from nvalchemi_ase.optimize.cell_filters import (
@@ -391,6 +394,11 @@ class BatchedOptimizer(BatchedDynamics):
     def step(self, f: Any = None) -> None:
         """One step of every structure (ASE's ``step``; ``nsteps`` unchanged).
 
+        Called directly, it moves every structure that has not failed, a
+        converged one included (as ASE's ``step`` does), and leaves the
+        ``Atoms`` holding the new positions, cell and the results there (see
+        :meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.step`).
+
         Parameters
         ----------
         f : None
@@ -402,6 +410,9 @@ class BatchedOptimizer(BatchedDynamics):
                 "step(f) with given forces is not supported: batched optimizers "
                 "evaluate the model themselves; call step() without forces"
             )
+        if not self._run_is_stepping and "status" in self.batch:
+            # a run froze its converged structures; ASE's step moves them
+            self._publish_status(self._guard.known_mask)
         super().step()
 
     def irun(
@@ -602,6 +613,30 @@ class BatchedOptimizer(BatchedDynamics):
     def default_skin(self) -> float:
         """Verlet skin of the neighbour list when none is given, Å."""
         return 0.0 if self.cell_filter is not None else super().default_skin()
+
+    def default_failure_limits(self) -> FailureLimits:
+        """No force limit, and displacements up to twice ``maxstep``.
+
+        An optimizer with a ``maxstep`` caps every step, so a large force
+        cannot blow a structure up: ASE's own FIRE in ASE's ``test_fire``
+        (2x2x2 gold, ``maxstep=100``) passes through forces of 1.8e4 eV/Å and
+        50 Å steps on its way to the minimum. Non-finite values still count,
+        and so does a step longer than twice ``maxstep`` (the factor leaves
+        room for a cell filter's strain of the positions).
+
+        Returns
+        -------
+        FailureLimits
+        """
+        limits = super().default_failure_limits()
+        maxstep = getattr(self, "maxstep", None)
+        if maxstep is None:
+            return limits
+        return dataclasses.replace(
+            limits,
+            max_force=math.inf,
+            max_displacement=max(limits.max_displacement, 2.0 * float(maxstep)),
+        )
 
     def _engine_freezes_atoms(self) -> bool:
         """Under a filter FIRE, BFGS and MDMin keep frozen rows themselves.
