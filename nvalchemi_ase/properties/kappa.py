@@ -50,7 +50,6 @@ from nvalchemi_ase.properties.phonons import (
     _primitive,
     _supercell_matrix,
     _to_ase,
-    _to_phonopy,
 )
 
 if TYPE_CHECKING:
@@ -370,6 +369,24 @@ def thermal_conductivity(
     return out
 
 
+def _unitcell(atoms: Atoms) -> Any:
+    """Build phonopy's cell from ASE's wrapped fractions (as its readers do).
+
+    In a small supercell an atom half a supercell away from another has
+    equidistant images, and phono3py's choice among them follows the last
+    bits of the fractions: an unwrapped fraction (a relaxed ``-1e-17``) or
+    one rounded through Cartesian coordinates moves κ at the percent level.
+    """
+    from phonopy.structure.atoms import PhonopyAtoms
+
+    return PhonopyAtoms(
+        symbols=atoms.get_chemical_symbols(),
+        cell=atoms.cell.array,
+        scaled_positions=atoms.get_scaled_positions(wrap=True),
+        masses=atoms.get_masses(),
+    )
+
+
 def _check_arguments(
     temperatures: float | Sequence[float],
     displacement: float,
@@ -558,7 +575,7 @@ def _displaced(
 ) -> _Plan:
     from phono3py import Phono3py
 
-    unitcell = _to_phonopy(atoms)
+    unitcell = _unitcell(atoms)
     ph3 = Phono3py(
         unitcell,
         supercell_matrix=matrix,
