@@ -175,7 +175,7 @@ def qha(
     strain: float = 0.03,
     supercell: int | Sequence[int] | Sequence[Sequence[int]] = (2, 2, 2),
     displacement: float = 0.01,
-    mesh: Sequence[int] = (10, 10, 10),
+    mesh: Sequence[int] = (11, 11, 11),
     temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
     eos: str = "vinet",
     pressure: float = 0.0,
@@ -210,7 +210,8 @@ def qha(
     displacement : float
         Displacement amplitude, Å.
     mesh : 3 ints
-        q-mesh of the thermal properties.
+        q-mesh of the thermal properties (phonopy's: odd numbers are
+        Γ-centred, even ones shifted by half a step).
     temperatures : sequence of float
         Ascending temperatures, K (at least 3; the last is consumed by
         phonopy's finite differences).
@@ -471,6 +472,9 @@ def _run_qha(result: QHAResult, temperatures: np.ndarray, mesh: np.ndarray) -> N
         mesh=mesh,
         pressure=result.pressure,
         eos=result.eos,
+        # the three zero modes at Γ: kT log(hν/kT) of a ~1e-7 THz mode is a
+        # spurious, noise-driven free energy (phonopy warns and offers this)
+        exclude_gamma_acoustic=True,
     )
     result.qha = fit
     result.temperatures = np.asarray(fit.temperatures)
