@@ -30,6 +30,8 @@ _COMMANDS = (
     ("eos", "nvalchemi_ase.cli.eos", "equations of state of every input, batched"),
     ("elastic", "nvalchemi_ase.cli.elastic", "elastic constants, batched"),
     ("phonons", "nvalchemi_ase.cli.phonons", "phonons (phonopy) of every input"),
+    ("kappa", "nvalchemi_ase.cli.kappa", "lattice thermal conductivity (phono3py)"),
+    ("qha", "nvalchemi_ase.cli.qha", "quasi-harmonic V(T), expansion, B(T), G(T)"),
     ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
     (
         "demo",
