@@ -206,7 +206,7 @@ def _kappa_row(result: ThermalConductivityResult) -> tuple[str, ...]:
     temperatures = list(result.temperatures if result.temperatures is not None else [])
     kappa = list(result.kappa_mean if result.kappa_mean is not None else [])
     return (
-        str(result.n_fc3_displacements + (result.n_fc2_displacements or 0)),
+        str((result.n_fc3_displacements or 0) + (result.n_fc2_displacements or 0)),
         " ".join(f"{t:g}" for t in temperatures),
         " ".join(f"{k:.4g}" for k in kappa),
         f"{result.max_force_sum:.2e}",

@@ -46,6 +46,7 @@ from nvalchemi_ase.properties._common import (
     validate,
 )
 from nvalchemi_ase.properties.phonons import (
+    _frequencies,
     _mesh,
     _primitive,
     _supercell_matrix,
@@ -540,8 +541,7 @@ def acoustic_check(ph3: Any) -> tuple[float, np.ndarray]:
         symprec=ph3.symmetry.tolerance,
     )
     phonon.force_constants = fc2
-    phonon.run_qpoints(np.zeros((1, 3)))
-    frequencies = np.asarray(phonon.qpoints.frequencies)[0]
+    frequencies = _frequencies(phonon, np.zeros((1, 3)))[0]
     if fc2.shape[0] != fc2.shape[1]:  # compact: rows are the primitive atoms
         rows = fc2
     else:
