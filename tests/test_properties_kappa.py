@@ -327,3 +327,27 @@ def test_invalid_arguments_are_refused_before_any_work(
     monkeypatch.setattr(lj_calc64, "calculate_batch", no_calls)
     with pytest.raises(ValueError, match=match):
         thermal_conductivity(_materials()[0], lj_calc64, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("sevenn") is None, reason="needs sevenn")
+def test_sevennet_silicon_passes_both_checks():
+    """SevenNet-0 (float32) on Si: checks far below their tolerances, κ > 0.
+
+    A 16-atom supercell of the primitive cell and a coarse mesh (κ itself is
+    not converged here; 64-atom cells give ~22 W/(m K), docs/performance.md).
+    """
+    (result,) = thermal_conductivity(
+        bulk("Si", "diamond", a=5.43),
+        "sevennet-0",
+        device="cpu",
+        supercell=(2, 2, 2),
+        mesh=(5, 5, 5),
+        temperatures=(300.0,),
+        fmax=5e-3,
+    )
+    assert result.ok, result.error
+    assert result.max_force_sum < 0.1 * FORCE_SUM_TOLERANCE
+    assert result.acoustic_gamma < 0.5 * ACOUSTIC_TOLERANCE
+    assert result.kappa_mean[0] > 0
+    assert np.sort(np.abs(result.gamma_frequencies))[3] > 10.0  # optical, THz
