@@ -64,7 +64,7 @@ def qha_materials() -> list[Atoms]:
     ]
 
 
-def _forces_one_by_one(calc: Any, cells: list[Any]) -> np.ndarray:
+def _forces_one_by_one(calc: Any, cells: Any) -> np.ndarray:
     out = []
     for cell in cells:
         atoms = Atoms(

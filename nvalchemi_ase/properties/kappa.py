@@ -194,7 +194,7 @@ def thermal_conductivity(
     supercell: int | Sequence[int] | Sequence[Sequence[int]] = (2, 2, 2),
     fc2_supercell: int | Sequence[int] | Sequence[Sequence[int]] | None = None,
     mesh: Sequence[int] = (11, 11, 11),
-    temperatures: float | Sequence[float] = (300.0,),
+    temperatures: float | Sequence[float] | np.ndarray = (300.0,),
     displacement: float = 0.03,
     method: Method = "rta",
     cutoff_pair_distance: float | None = None,
@@ -389,7 +389,7 @@ def _unitcell(atoms: Atoms) -> Any:
 
 
 def _check_arguments(
-    temperatures: float | Sequence[float],
+    temperatures: float | Sequence[float] | np.ndarray,
     displacement: float,
     method: str,
     cutoff_pair_distance: float | None,

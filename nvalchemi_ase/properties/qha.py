@@ -176,7 +176,7 @@ def qha(
     supercell: int | Sequence[int] | Sequence[Sequence[int]] = (2, 2, 2),
     displacement: float = 0.01,
     mesh: Sequence[int] = (11, 11, 11),
-    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+    temperatures: Sequence[float] | np.ndarray = DEFAULT_TEMPERATURES,
     eos: str = "vinet",
     pressure: float = 0.0,
     relax_first: bool = True,
@@ -374,7 +374,7 @@ def qha(
 def _check_arguments(
     n_volumes: int,
     strain: float,
-    temperatures: Sequence[float],
+    temperatures: Sequence[float] | np.ndarray,
     eos: str,
     relax: str | None,
     optimizer: str,
