@@ -802,6 +802,8 @@ BENCHMARKS = {
         "benchmarks.surfaces_defects"
     ).run_sevennet(*a),
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
+    "kappa": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "kappa"),
+    "qha": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "qha"),
 }
 
 

@@ -36,6 +36,8 @@ _COMMANDS = (
         "surface energies of every input, batched",
     ),
     ("defect", "nvalchemi_ase.cli.defect", "point-defect formation energies, batched"),
+    ("kappa", "nvalchemi_ase.cli.kappa", "lattice thermal conductivity (phono3py)"),
+    ("qha", "nvalchemi_ase.cli.qha", "quasi-harmonic V(T), expansion, B(T), G(T)"),
     ("neb", "nvalchemi_ase.cli.neb", "nudged elastic bands, many paths in one batch"),
     ("rdf", "nvalchemi_ase.cli.rdf", "radial distribution functions of trajectories"),
     (

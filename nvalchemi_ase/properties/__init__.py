@@ -19,6 +19,10 @@ function                   result (units)                      library for the f
 ``phonons``                force constants eV/Å², THz on a     phonopy (extra
                            path and a mesh, DOS                ``properties``)
 ``vibrations``             Hessian eV/Å², cm⁻¹ / THz           ``ase.vibrations``
+``thermal_conductivity``   κ tensor W/(m K) per T, force-sum   phono3py (extra
+                           and Γ acoustic checks               ``kappa``)
+``qha``                    V(T) Å³, β(T) 1/K, B(T) GPa, G(T)   phonopy
+                           eV                                  ``run_qha``
 =========================  ==================================  ===================
 
 Energies of derived structures (every slab, supercell and reference of every
@@ -34,7 +38,12 @@ from nvalchemi_ase.properties.adsorption import AdsorptionResult, adsorption_ene
 from nvalchemi_ase.properties.defects import DefectResult, defect_formation_energies
 from nvalchemi_ase.properties.elastic import ElasticResult, elastic_constants, moduli
 from nvalchemi_ase.properties.eos import EOSResult, equation_of_state
+from nvalchemi_ase.properties.kappa import (
+    ThermalConductivityResult,
+    thermal_conductivity,
+)
 from nvalchemi_ase.properties.phonons import PhononResult, phonons
+from nvalchemi_ase.properties.qha import QHAResult, qha
 from nvalchemi_ase.properties.surfaces import SurfaceResult, surface_energies
 from nvalchemi_ase.properties.vibrations import VibrationResult, vibrations
 
@@ -44,7 +53,9 @@ __all__ = [
     "EOSResult",
     "ElasticResult",
     "PhononResult",
+    "QHAResult",
     "SurfaceResult",
+    "ThermalConductivityResult",
     "VibrationResult",
     "adsorption_energies",
     "defect_formation_energies",
@@ -52,6 +63,8 @@ __all__ = [
     "equation_of_state",
     "moduli",
     "phonons",
+    "qha",
     "surface_energies",
+    "thermal_conductivity",
     "vibrations",
 ]

@@ -974,6 +974,7 @@ def relax_cells(
     steps: int,
     optimizer: str,
     memory_budget: float | None = None,
+    symprec: float | None = None,
 ) -> list[Atoms]:
     """Relax cell and ions of every living material in one batched run.
 
@@ -993,6 +994,12 @@ def relax_cells(
         ``FIRE2`` or ``LBFGS``.
     memory_budget : float, optional
         Bytes per batch.
+    symprec : float, optional
+        Keep each material's space group (found with this tolerance, Å)
+        exactly: ``ase.constraints.FixSymmetry`` on the copies while they
+        relax (the relaxed copies carry no constraint). Force constants
+        need it: a cell relaxed to a finite ``fmax`` without it keeps a
+        strain of order the stress tolerance, which lowers the symmetry.
 
     Returns
     -------
@@ -1004,6 +1011,11 @@ def relax_cells(
         for index, atoms in enumerate(structures)
         if ledger.alive(index)
     ]
+    if symprec is not None:
+        from ase.constraints import FixSymmetry
+
+        for item in derived:
+            item.atoms.set_constraint(FixSymmetry(item.atoms, symprec=symprec))
     relax_structures(
         calc,
         derived,
@@ -1016,5 +1028,7 @@ def relax_cells(
     )
     relaxed = list(structures)
     for item in derived:
+        if symprec is not None:
+            item.atoms.set_constraint()
         relaxed[item.material] = item.atoms
     return relaxed

@@ -18,10 +18,19 @@ if TYPE_CHECKING:
 
     from nvalchemi_ase.properties.defects import DefectResult
     from nvalchemi_ase.properties.eos import EOSResult
+    from nvalchemi_ase.properties.kappa import ThermalConductivityResult
     from nvalchemi_ase.properties.phonons import PhononResult
+    from nvalchemi_ase.properties.qha import QHAResult
     from nvalchemi_ase.properties.surfaces import SurfaceResult
 
-__all__ = ["plot_defect_energies", "plot_eos", "plot_phonons", "plot_surface_energies"]
+__all__ = [
+    "plot_defect_energies",
+    "plot_eos",
+    "plot_kappa",
+    "plot_phonons",
+    "plot_qha",
+    "plot_surface_energies",
+]
 
 
 def plot_eos(result: EOSResult, path: str | Path, *, title: str | None = None) -> Path:
@@ -261,3 +270,89 @@ def _save(figure: FigureType, path: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png", dpi=120)
     return target
+
+
+def plot_kappa(
+    result: ThermalConductivityResult, path: str | Path, *, title: str | None = None
+) -> Path:
+    """Lattice thermal conductivity against temperature (diagonal and mean).
+
+    Parameters
+    ----------
+    result : ThermalConductivityResult
+        A computed (``ok``) result.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If the result has no κ (a failed material).
+    """
+    from matplotlib.figure import Figure
+
+    if result.kappa is None or result.temperatures is None:
+        raise ValueError(f"no thermal conductivity to plot ({result.error})")
+    temperatures = np.asarray(result.temperatures)
+    kappa = np.asarray(result.kappa)
+    figure = Figure(figsize=(5.0, 3.8), layout="constrained")
+    axes = figure.add_subplot()
+    style = "o-" if len(temperatures) < 30 else "-"
+    for k, name in enumerate(("xx", "yy", "zz")):
+        axes.plot(temperatures, kappa[:, k, k], style, ms=3, lw=1.0, label=f"κ_{name}")
+    axes.plot(temperatures, np.asarray(result.kappa_mean), "k--", lw=1.0, label="mean")
+    axes.set_xlabel("temperature [K]")
+    axes.set_ylabel("κ [W/(m K)]")
+    axes.set_title(title or f"{result.formula} ({result.method.upper()})")
+    axes.legend(frameon=False)
+    return _save(figure, path)
+
+
+def plot_qha(result: QHAResult, path: str | Path, *, title: str | None = None) -> Path:
+    """V(T), thermal expansion, B(T) and G(T) of a quasi-harmonic result.
+
+    Parameters
+    ----------
+    result : QHAResult
+        A computed (``ok``) result.
+    path : str or pathlib.Path
+        PNG to write.
+    title : str, optional
+        Figure title (default: the formula).
+
+    Returns
+    -------
+    pathlib.Path
+        The file written.
+
+    Raises
+    ------
+    ValueError
+        If the result has no fit (a failed material).
+    """
+    from matplotlib.figure import Figure
+
+    if result.temperatures is None or result.volume_temperature is None:
+        raise ValueError(f"no quasi-harmonic fit to plot ({result.error})")
+    temperatures = np.asarray(result.temperatures)
+    panels = (
+        (result.volume_temperature, "volume [Å³]"),
+        (np.asarray(result.linear_thermal_expansion) * 1e6, "α = β/3 [10⁻⁶/K]"),
+        (result.bulk_modulus_temperature, "B [GPa]"),
+        (result.gibbs_temperature, "G [eV]"),
+    )
+    figure = Figure(figsize=(7.0, 5.0), layout="constrained")
+    for k, (values, label) in enumerate(panels):
+        axes = figure.add_subplot(2, 2, k + 1)
+        axes.plot(temperatures, np.asarray(values), "-", color=f"C{k}", lw=1.2)
+        axes.set_xlabel("temperature [K]")
+        axes.set_ylabel(label)
+    figure.suptitle(title or result.formula)
+    return _save(figure, path)
