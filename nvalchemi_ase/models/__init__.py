@@ -13,6 +13,11 @@ name               model                                       parameters (units
                                                                ``switch_width`` (Å)
 ``"demo"``         ``DemoModelWrapper(DemoModel())`` (random   ``seed``,
                    weights; a test model, not physics)         ``hidden_dim``
+``"aimnet2"``,     AIMNet2 (``aimnet`` package): molecules,   ``path`` (any v2
+``"aimnet2-..."``  total charge ``info["charge"]``, predicted  file), ``member``
+                   per-atom ``charges``; float32; extra        (0-3)
+                   ``aimnet``; files from the weights folder
+                   (:mod:`nvalchemi_ase.models.aimnet2`)
 ``"sevennet-0"``   SevenNet-0 (11 Jul 2024; alias              none
                    ``"7net-0"``): universal potential, 89
                    elements (MPtrj, PBE), 5 Å cutoff, float32
@@ -45,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase.convert import _supported_elements
-from nvalchemi_ase.models import builtin, registry, sevennet
+from nvalchemi_ase.models import aimnet2, builtin, registry, sevennet
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -95,6 +100,26 @@ registry.register(
         aliases=("7net-0",),
     )
 )
+
+for _variant in aimnet2.VARIANTS:
+    registry.register(
+        registry.ModelInfo(
+            name=_variant.name,
+            factory=aimnet2.aimnet2_factory(_variant),
+            summary=_variant.summary
+            + " (short-range part: add long-range Coulomb and D3)",
+            elements=_variant.elements,
+            cutoff="5 Å",
+            dtype="float32",
+            licence="MIT (aimnet)",
+            extra="aimnet",
+            weights=(
+                f"{_variant.files[0]} (members 0-3: {_variant.files[0][:-4]}"
+                f"[0-3].pt) from {_variant.source(0).rsplit('/', 1)[0]}/"
+            ),
+            aliases=_variant.aliases,
+        )
+    )
 
 
 def available_models() -> list[str]:
