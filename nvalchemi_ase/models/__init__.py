@@ -13,6 +13,15 @@ name               model                                       parameters (units
                                                                ``switch_width`` (Å)
 ``"demo"``         ``DemoModelWrapper(DemoModel())`` (random   ``seed``,
                    weights; a test model, not physics)         ``hidden_dim``
+``"ewald"``        nvalchemi's ``EwaldModelWrapper``: Coulomb  ``cutoff`` (Å),
+                   energy of ``initial_charges`` (e) in        ``accuracy``
+                   periodic cells, k_e = Hartree·Bohr
+``"pme"``          nvalchemi's ``PMEModelWrapper`` (particle-  ``cutoff`` (Å),
+                   mesh Ewald), same inputs                    ``accuracy``,
+                                                               ``mesh_spacing``
+                                                               (Å), ``spline_
+                                                               order``, ``alpha``
+                                                               (1/Å)
 ``"aimnet2"``,     AIMNet2 (``aimnet`` package): molecules,   ``path`` (any v2
 ``"aimnet2-..."``  total charge ``info["charge"]``, predicted  file), ``member``
                    per-atom ``charges``; float32; extra        (0-3)
@@ -50,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase.convert import _supported_elements
-from nvalchemi_ase.models import aimnet2, builtin, registry, sevennet
+from nvalchemi_ase.models import aimnet2, builtin, electrostatics, registry, sevennet
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -101,6 +110,28 @@ registry.register(
     )
 )
 
+registry.register(
+    registry.ModelInfo(
+        name="ewald",
+        factory=electrostatics.ewald,
+        summary="Ewald sum of fixed charges (initial_charges, e; periodic cells)",
+        elements="any",
+        cutoff="10 Å real space (parameter); reciprocal from accuracy",
+        dtype="any",
+        licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+    )
+)
+registry.register(
+    registry.ModelInfo(
+        name="pme",
+        factory=electrostatics.pme,
+        summary="particle-mesh Ewald of fixed charges (initial_charges, e)",
+        elements="any",
+        cutoff="10 Å real space (parameter); 1 Å mesh (parameter)",
+        dtype="any",
+        licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+    )
+)
 for _variant in aimnet2.VARIANTS:
     registry.register(
         registry.ModelInfo(
