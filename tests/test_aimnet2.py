@@ -156,9 +156,9 @@ def test_a_batch_of_charged_molecules_equals_aimnets_calculator(calc, aimnet2_fi
         np.testing.assert_allclose(ours["forces"], ref["forces"], atol=FORCE_ATOL)
         np.testing.assert_allclose(ours["charges"], ref["charges"], atol=CHARGE_ATOL)
         # the charges add up to the structure's total charge (aimnet's NSE step)
-        assert ours["charges"].sum() == pytest.approx(
-            atoms.info["charge"], abs=1e-3
-        ), index
+        assert ours["charges"].sum() == pytest.approx(atoms.info["charge"], abs=1e-3), (
+            index
+        )
     # not a trivial agreement: charges and forces differ across the batch
     assert len({round(r["energy"], 3) for r in results}) == len(images)
     assert all(np.abs(r["forces"]).max() > 1e-3 for r in results)
@@ -236,9 +236,9 @@ def test_nve_conserves_energy(model):
 
 def test_a_published_file_missing_from_the_weights_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(WEIGHTS_ENV, str(tmp_path))
-    with pytest.raises(MissingWeightsError, match="aimnet2_wb97m_d3_0.pt"):
+    with pytest.raises(MissingWeightsError, match=r"aimnet2_wb97m_d3_0\.pt"):
         load_model("aimnet2")
-    with pytest.raises(MissingWeightsError, match="aimnet2_b973c_d3_2.pt"):
+    with pytest.raises(MissingWeightsError, match=r"aimnet2_b973c_d3_2\.pt"):
         load_model("aimnet2-b973c", member=2)
 
 
@@ -265,14 +265,14 @@ def test_float64_is_refused_and_the_model_is_unchanged(model):
         NVAlchemiCalculator(model, device="cpu", dtype="float64")
     weights = {name: t.dtype for name, t in model.named_parameters()}
     assert weights["model.outputs.atomic_shift.shifts.weight"] == torch.float64
-    assert {d for n, d in weights.items() if "atomic_shift" not in n} == {
-        torch.float32
-    }
+    assert {d for n, d in weights.items() if "atomic_shift" not in n} == {torch.float32}
 
 
 def test_a_neutral_only_family_refuses_a_charged_structure(aimnet2_file):
     rxn = next(v for v in aimnet2.VARIANTS if v.name == "aimnet2-rxn")
-    calc = NVAlchemiCalculator(aimnet2.load_aimnet2(rxn, path=aimnet2_file), device="cpu")
+    calc = NVAlchemiCalculator(
+        aimnet2.load_aimnet2(rxn, path=aimnet2_file), device="cpu"
+    )
     neutral, anion = molecule("H2O"), molecule("H2O")
     anion.info["charge"] = -1
     with pytest.raises(ValueError, match="structure 1"):

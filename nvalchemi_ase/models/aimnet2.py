@@ -263,9 +263,7 @@ def load_aimnet2(
                 f"{variant.name}: member must be one of 0-{len(variant.files) - 1}, "
                 f"got {member!r}"
             )
-        file = find_weights(
-            variant.name, variant.files[member], variant.source(member)
-        )
+        file = find_weights(variant.name, variant.files[member], variant.source(member))
         _check_digest(variant.name, file, variant.sha256[member])
         registry = True
     else:
@@ -367,7 +365,7 @@ def _wrapper_class() -> type:
 
 
 def _energy_shifts(wrapper: torch.nn.Module) -> torch.nn.Module | None:
-    """aimnet's per-element energy shifts (float64 in aimnet's own calculator)."""
+    """Return aimnet's per-element energy shifts (float64 in aimnet's calculator)."""
     outputs = getattr(getattr(wrapper, "model", None), "outputs", None)
     shift = getattr(outputs, "atomic_shift", None)
     return shift if isinstance(shift, torch.nn.Module) else None

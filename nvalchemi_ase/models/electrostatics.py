@@ -73,7 +73,10 @@ def ewald(cutoff: float = 10.0, accuracy: float = 1e-6) -> BaseModelMixin:
     module = import_quietly("nvalchemi.models.ewald")
     cls = _charged_class(module.EwaldModelWrapper)
     return cls(  # type: ignore[no-any-return]
-        cutoff=cutoff, accuracy=accuracy, coulomb_constant=COULOMB_CONSTANT
+        cutoff=cutoff,
+        accuracy=accuracy,
+        coulomb_constant=COULOMB_CONSTANT,
+        **_EXACT_CELL_CACHE,
     )
 
 
@@ -128,30 +131,32 @@ def pme(
         spline_order=int(spline_order),
         alpha=alpha,
         coulomb_constant=COULOMB_CONSTANT,
+        **_EXACT_CELL_CACHE,
     )
 
 
-_CLASSES: dict[type, type] = {}
+#: Any change of a cell refreshes α, the k-vectors and the mesh. nvalchemi's
+#: default reuses them while the cell stays within rtol 1e-5 (+1e-6 Å), which
+#: gives stale energies for small strains (a 1e-5 strain: PME stress 25 % off).
+_EXACT_CELL_CACHE = {"rtol": 0.0, "atol": 0.0}
+
+_CLASSES: dict[Any, Any] = {}
 
 
-def _charged_class(wrapper: type) -> type:
-    """``wrapper`` whose missing charges or cell are a clear error, not a KeyError."""
+def _charged_class(wrapper: Any) -> Any:
+    """Subclass ``wrapper``: missing charges or cells are clear errors."""
     if wrapper not in _CLASSES:
 
-        def adapt_input(self: Any, data: Any, **kwargs: Any) -> Any:
-            _require_charges_and_cells(data, type(self).__name__)
-            return wrapper.adapt_input(self, data, **kwargs)
+        class Charged(wrapper):  # type: ignore[misc, valid-type]
+            supported_elements = None
 
-        _CLASSES[wrapper] = type(
-            wrapper.__name__,
-            (wrapper,),
-            {
-                "adapt_input": adapt_input,
-                "__doc__": wrapper.__doc__,
-                "__module__": __name__,
-                "supported_elements": None,
-            },
-        )
+            def adapt_input(self, data: Any, **kwargs: Any) -> Any:
+                _require_charges_and_cells(data, type(self).__name__)
+                return super().adapt_input(data, **kwargs)
+
+        Charged.__name__ = Charged.__qualname__ = wrapper.__name__
+        Charged.__doc__ = wrapper.__doc__
+        _CLASSES[wrapper] = Charged
     return _CLASSES[wrapper]
 
 
