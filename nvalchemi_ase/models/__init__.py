@@ -22,7 +22,7 @@ name               model                                       parameters (units
                                                                (Å), ``spline_
                                                                order``, ``alpha``
                                                                (1/Å)
-``"aimnet2"``,     AIMNet2 (``aimnet`` package): molecules,   ``path`` (any v2
+``"aimnet2"``,     AIMNet2 (``aimnet`` package): molecules,    ``path`` (any v2
 ``"aimnet2-..."``  total charge ``info["charge"]``, predicted  file), ``member``
                    per-atom ``charges``; float32; extra        (0-3)
                    ``aimnet``; files from the weights folder
