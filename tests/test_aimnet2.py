@@ -213,8 +213,9 @@ def test_conformance_checks(model):
 
 @pytest.mark.slow
 def test_nve_conserves_energy(model):
-    # neutral molecules (random weights push the H atoms off the water anion)
-    images = [_molecules()[index] for index in (1, 2, 3)]
+    # neutral molecules: ethanol, CH3Cl, CH3SH (see the report of #25: a
+    # charged structure in a batched run jumped in energy mid-run)
+    images = [_molecules()[index] for index in (1, 3, 4)]
     for index, atoms in enumerate(images):
         rng = np.random.default_rng(index)
         scale = np.sqrt(atoms.get_masses()[:, None] * units.kB * 100)
