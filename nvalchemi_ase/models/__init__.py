@@ -13,6 +13,20 @@ name               model                                       parameters (units
                                                                ``switch_width`` (Å)
 ``"demo"``         ``DemoModelWrapper(DemoModel())`` (random   ``seed``,
                    weights; a test model, not physics)         ``hidden_dim``
+``"ewald"``        nvalchemi's ``EwaldModelWrapper``: Coulomb  ``cutoff`` (Å),
+                   energy of ``initial_charges`` (e) in        ``accuracy``
+                   periodic cells, k_e = Hartree·Bohr
+``"pme"``          nvalchemi's ``PMEModelWrapper`` (particle-  ``cutoff`` (Å),
+                   mesh Ewald), same inputs                    ``accuracy``,
+                                                               ``mesh_spacing``
+                                                               (Å), ``spline_
+                                                               order``, ``alpha``
+                                                               (1/Å)
+``"aimnet2"``,     AIMNet2 (``aimnet`` package): molecules,    ``path`` (any v2
+``"aimnet2-..."``  total charge ``info["charge"]``, predicted  file), ``member``
+                   per-atom ``charges``; float32; extra        (0-3)
+                   ``aimnet``; files from the weights folder
+                   (:mod:`nvalchemi_ase.models.aimnet2`)
 ``"sevennet-0"``   SevenNet-0 (11 Jul 2024; alias              none
                    ``"7net-0"``): universal potential, 89
                    elements (MPtrj, PBE), 5 Å cutoff, float32
@@ -73,9 +87,11 @@ import torch
 
 from nvalchemi_ase.convert import _supported_elements
 from nvalchemi_ase.models import (
+    aimnet2,
     builtin,
     composition,
     dispersion,
+    electrostatics,
     mace,
     registry,
     sevennet,
@@ -197,6 +213,48 @@ mace.register_models()
 
 #: Keyword parameters a composed name takes (the rest go in a part's parentheses).
 _COMPOSE_PARAMETERS = ("neighbor_adaptation", "max_cutoff_ratio")
+
+registry.register(
+    registry.ModelInfo(
+        name="ewald",
+        factory=electrostatics.ewald,
+        summary="Ewald sum of fixed charges (initial_charges, e; periodic cells)",
+        elements="any",
+        cutoff="10 Å real space (parameter); reciprocal from accuracy",
+        dtype="any",
+        licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+    )
+)
+registry.register(
+    registry.ModelInfo(
+        name="pme",
+        factory=electrostatics.pme,
+        summary="particle-mesh Ewald of fixed charges (initial_charges, e)",
+        elements="any",
+        cutoff="10 Å real space (parameter); 1 Å mesh (parameter)",
+        dtype="any",
+        licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+    )
+)
+for _variant in aimnet2.VARIANTS:
+    registry.register(
+        registry.ModelInfo(
+            name=_variant.name,
+            factory=aimnet2.aimnet2_factory(_variant),
+            summary=_variant.summary
+            + " (short-range part: add long-range Coulomb and D3)",
+            elements=_variant.elements,
+            cutoff="5 Å",
+            dtype="float32",
+            licence="MIT (aimnet)",
+            extra="aimnet",
+            weights=(
+                f"{_variant.files[0]} (members 0-3: {_variant.files[0][:-4]}"
+                f"[0-3].pt) from {_variant.source(0).rsplit('/', 1)[0]}/"
+            ),
+            aliases=_variant.aliases,
+        )
+    )
 
 
 def available_models() -> list[str]:
