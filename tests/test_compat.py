@@ -135,6 +135,12 @@ def package_scan():
     return PackageScan(PACKAGE)
 
 
+@pytest.fixture(scope="module")
+def accesses(package_scan):
+    """Every use of a private nvalchemi name in the package (one scan)."""
+    return list(package_scan.accesses())
+
+
 def _is_subclass_hook_use(access):
     """A documented ``BaseDynamics`` hook, on ``self`` in a class deriving from it."""
     on_self = access.receiver in ("self", "super()", "class body")
@@ -142,33 +148,29 @@ def _is_subclass_hook_use(access):
 
 
 def test_private_nvalchemi_attributes_are_used_only_in_the_compat_module(
-    package_scan,
+    accesses,
 ):
     offenders = [
         str(access)
-        for access in package_scan.accesses()
+        for access in accesses
         if access.path.name != "_compat.py" and not _is_subclass_hook_use(access)
     ]
     assert offenders == [], "wrap these in nvalchemi_ase/_compat.py"
 
 
-def test_compat_lists_every_private_nvalchemi_attribute_it_uses(package_scan):
-    used = {
-        access.name
-        for access in package_scan.accesses()
-        if access.path.name == "_compat.py"
-    }
+def test_compat_lists_every_private_nvalchemi_attribute_it_uses(accesses):
+    used = {access.name for access in accesses if access.path.name == "_compat.py"}
     assert sorted(used - LISTED) == [], "add them to PRIVATE_MEMBERS/ATTRIBUTES"
     assert set(SUBCLASS_HOOKS) <= LISTED
 
 
-def test_documented_subclass_hooks_are_nvalchemis(package_scan):
+def test_documented_subclass_hooks_are_nvalchemis(package_scan, accesses):
     """The allowance covers real nvalchemi names, and the engines do use them."""
     from tests._nvalchemi_private import class_names
 
     base_dynamics = import_quietly("nvalchemi.dynamics.base").BaseDynamics
     assert set(SUBCLASS_HOOKS) <= class_names(base_dynamics)
-    used = {a.name for a in package_scan.accesses() if _is_subclass_hook_use(a)}
+    used = {a.name for a in accesses if _is_subclass_hook_use(a)}
     assert used == set(SUBCLASS_HOOKS)
     # a name both libraries define is not judged on other objects: none of
     # the names _compat wraps may become one
