@@ -9,6 +9,7 @@ in a physics test. The package reaches those members through
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -130,15 +131,22 @@ def test_npt_state_holds_the_chain_velocities_the_workaround_pads():
     assert [key for key in _CHAIN_VELOCITIES if getattr(state, key, None) is None] == []
 
 
-@pytest.fixture(scope="module")
+@functools.cache
+def _scan() -> tuple[PackageScan, tuple]:
+    """The package's scan and its accesses, once per process."""
+    scan = PackageScan(PACKAGE)
+    return scan, tuple(scan.accesses())
+
+
+@pytest.fixture
 def package_scan():
-    return PackageScan(PACKAGE)
+    return _scan()[0]
 
 
-@pytest.fixture(scope="module")
-def accesses(package_scan):
+@pytest.fixture
+def accesses():
     """Every use of a private nvalchemi name in the package (one scan)."""
-    return list(package_scan.accesses())
+    return _scan()[1]
 
 
 def _is_subclass_hook_use(access):
