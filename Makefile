@@ -1,7 +1,8 @@
 # Two commands for a newcomer on a fresh machine (both idempotent):
 #   make demo   create .venv if missing, install the package, run the main job
 #   make test   same .venv, install the test extras, mypy, the whole test suite
-#               (the suite runs ruff itself: tests/test_package.py)
+#               (the suite runs ruff itself: tests/test_package.py), in parallel
+#               on every core (pytest-xdist; TEST_WORKERS=0 for one process)
 #   make test-fast   the suite without tests marked slow (< 2 min), for iterating
 #   make notebooks   regenerate tutorials/*.ipynb from tutorials/*.py
 # pip (not uv): pip takes the torch builds cached on this machine.
@@ -12,6 +13,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 # extra pytest arguments, e.g. make test-fast PYTEST_ARGS="--durations=15 -x"
 PYTEST_ARGS ?=
+# pytest-xdist workers: auto = one per core; 0 = no workers, one process.
+# loadgroup: tests spread one by one, except those marked
+# @pytest.mark.xdist_group(name), which share one worker (and its fixtures).
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test test-fast lint bench notebooks clean
 
@@ -39,10 +45,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-mace
 	$(PY) -m mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-mace
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed-mace
 	$(PY) -m benchmarks

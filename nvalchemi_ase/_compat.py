@@ -8,16 +8,21 @@ made. The few private members that takes are wrapped here and nowhere else;
 upstream change (even in a 0.3.x patch release, which the ``<0.4`` pin lets
 in) fails one named test instead of a physics test.
 
-Subclass hooks that nvalchemi documents for writing a ``BaseDynamics`` (its
-"implementing a dynamics class" guide: ``_init_state``, ``_make_new_state``,
+Subclass hooks that nvalchemi documents for writing a ``BaseDynamics``
+(:data:`SUBCLASS_HOOKS`: ``_init_state``, ``_make_new_state``,
 ``_sync_state_to_batch``, ``self._state``) are used by ``nvalchemi_ase.engines``
-as prescribed; they are listed here too so the same test watches them.
+as prescribed, on ``self`` only; they are listed here too so the same test
+watches them. ``tests/test_compat.py`` also scans the package's attribute
+names (``obj._x``, ``getattr(obj, "_x")``, class bodies) against nvalchemi's
+installed source: a private nvalchemi member used anywhere else than here, or
+used here without a line in :data:`PRIVATE_MEMBERS` /
+:data:`PRIVATE_ATTRIBUTES`, fails it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from nvalchemi_ase._quiet import import_quietly
 
@@ -27,12 +32,15 @@ if TYPE_CHECKING:
     from nvalchemi.dynamics.base import BaseDynamics
 
 __all__ = [
+    "PRIVATE_ATTRIBUTES",
     "PRIVATE_MEMBERS",
+    "SUBCLASS_HOOKS",
     "PrivateMember",
     "carry_engine_state",
     "close_hooks",
     "eager_call",
     "empty_neighbor_rows",
+    "engine_seed",
     "engine_state",
     "ensure_bookkeeping_fields",
     "ensure_substage_states",
@@ -43,7 +51,11 @@ __all__ = [
     "neighbor_hook_lists",
     "neighbor_hook_reference",
     "neighbor_hook_state",
+    "neighbor_list_cutoff",
+    "npt_kinetic_energies",
     "npt_operators",
+    "npt_pressure_tensor",
+    "npt_volumes",
     "open_hooks",
     "pipeline_all_done",
     "pipeline_batch_sources",
@@ -51,10 +63,14 @@ __all__ = [
     "pipeline_policy",
     "pipeline_sources",
     "pipeline_start",
+    "post_update_is_noop",
     "prime_engine",
     "seed_neighbor_hook",
+    "set_engine_seed",
     "write_neighbor_hook_lists",
 ]
+
+_Class = TypeVar("_Class", bound=type)
 
 
 class PrivateMember(NamedTuple):
@@ -272,7 +288,14 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
 
 # Attributes (not callables) read or written; checked on live objects.
 PRIVATE_ATTRIBUTES = {
-    "BaseDynamics": ("_admission_initialized", "_forces_primed", "_state"),
+    "BaseDynamics": (
+        "_admission_initialized",
+        "_forces_primed",
+        "_state",
+        "_random_seed",  # read by state_dict() and load_state_dict()
+        "_post_update_is_noop",  # a class attribute subclasses may set
+    ),
+    "Batch": ("_neighbor_list_cutoff",),  # set by the neighbour-list writer
     "NeighborListHook": (
         "_ref_positions",
         "_alloc_N",
@@ -293,6 +316,17 @@ PRIVATE_ATTRIBUTES = {
     ),
     "_PipelineNeighborListHook": ("hooks", "sources"),
 }
+
+
+#: nvalchemi's documented subclass hooks of ``BaseDynamics``: the engines in
+#: ``nvalchemi_ase.engines`` define, call (``super()``) and use them on
+#: ``self`` as its docstrings prescribe; nothing else outside this module does.
+SUBCLASS_HOOKS: tuple[str, ...] = (
+    "_init_state",
+    "_make_new_state",
+    "_sync_state_to_batch",
+    "_state",
+)
 
 
 def open_hooks(engine: BaseDynamics) -> None:
@@ -584,6 +618,66 @@ def engine_state(engine: BaseDynamics) -> Batch | None:
     ``nhc_Q`` [B, chain], ``temperature`` (kT, eV), ``nhc_ndof`` [B]).
     """
     return getattr(engine, "_state", None)
+
+
+def engine_seed(engine: BaseDynamics) -> int | None:
+    """Return an engine's noise seed (``_random_seed``), or None without one.
+
+    nvalchemi's ``state_dict`` saves this attribute as ``random_seed`` and
+    ``load_state_dict`` restores it when the engine has one, as ``NVTLangevin``
+    keeps its seed.
+    """
+    return getattr(engine, "_random_seed", None)
+
+
+def set_engine_seed(engine: BaseDynamics, seed: int) -> None:
+    """Give an engine the noise seed ``state_dict`` saves (``_random_seed``)."""
+    engine._random_seed = int(seed)  # type: ignore[attr-defined]
+
+
+def post_update_is_noop(cls: _Class) -> _Class:
+    """Class decorator: promise nvalchemi that ``cls.post_update`` does nothing.
+
+    Sets ``BaseDynamics._post_update_is_noop`` on ``cls``, so the masked
+    ``post_update`` of a ``FusedStage`` skips saving and restoring every
+    mutable field around it. Only for engines whose ``post_update`` reads and
+    writes nothing.
+    """
+    setattr(cls, "_post_update_is_noop", True)  # noqa: B010 - the scan reads it
+    return cls
+
+
+def npt_volumes(engine: Any, batch: Batch) -> torch.Tensor:
+    """Cell volumes [B] Å³ as an ``NPT`` engine computes them (``_compute_volumes``)."""
+    return engine._compute_volumes(batch)
+
+
+def npt_kinetic_energies(engine: Any, batch: Batch) -> torch.Tensor:
+    """Kinetic energies [B], as an ``NPT`` engine computes them (``_compute_ke``).
+
+    Units are nvalchemi's internal ones (eV with its internal time unit).
+    """
+    return engine._compute_ke(batch)
+
+
+def npt_pressure_tensor(
+    engine: Any, batch: Batch, volumes: torch.Tensor
+) -> torch.Tensor:
+    """Instantaneous pressure tensors [B, 3, 3] of an ``NPT`` engine (``_compute_P``).
+
+    ``volumes`` [B] Å³ (:func:`npt_volumes`); it also fills the engine's
+    ``kinetic_tensors`` and ``pressure_tensors`` state, as ``NPT`` does.
+    """
+    return engine._compute_P(batch, volumes)
+
+
+def neighbor_list_cutoff(batch: Batch) -> float | None:
+    """Cutoff (Å) the batch's neighbour list was built with, or None if unknown.
+
+    nvalchemi's neighbour-list writer records it as ``batch._neighbor_list_cutoff``.
+    """
+    cutoff = getattr(batch, "_neighbor_list_cutoff", None)
+    return None if cutoff is None else float(cutoff)
 
 
 def frozen_category() -> int:

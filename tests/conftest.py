@@ -1,12 +1,45 @@
-"""Shared fixtures: expensive models and calculators are built once per session."""
+"""Shared fixtures: expensive models and calculators are built once per session.
+
+Under pytest-xdist (``make test`` runs ``pytest -n auto``) each worker is its
+own session, so a session fixture is built once per worker; and each worker
+gets an equal share of the cores for its thread pools (below).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
-import torch
 
 
+def _share_the_cores_between_workers() -> None:
+    """Size every worker's OpenMP/BLAS pools to its share of the cores.
+
+    Two workers on two cores, each with torch's default pool of two threads,
+    spend their time waking each other's threads; OpenMP threads that
+    busy-wait (libgomp's default) make it worse on a shared machine. Both
+    are read when torch and numpy load their thread pools, so this runs
+    before either is imported (this module imports neither at the top);
+    subprocesses a test starts inherit it. Values the caller set win.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    share = str(max(1, (cores or os.cpu_count() or 1) // workers))
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, share)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+_share_the_cores_between_workers()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    _keep_module_fixtures_on_one_worker(items)
+    import torch
+
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(
@@ -15,6 +48,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _keep_module_fixtures_on_one_worker(items):
+    """Group the tests that use a module- or session-scoped fixture of their file.
+
+    ``--dist loadgroup`` (``make test``) then runs each such file's sharing
+    tests on one worker, so an expensive fixture (ASE references, fitted
+    models, prepared runs) is built once instead of once per worker. Tests
+    that use only function-scoped fixtures or the cheap ones here spread freely.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        path = item.nodeid.split("::")[0]
+        if info is None:
+            continue
+        for definitions in info.name2fixturedefs.values():
+            last = definitions[-1]
+            if last.scope != "function" and last.baseid == path:
+                item.add_marker(pytest.mark.xdist_group(path))
+                break
 
 
 @pytest.fixture(scope="session")
@@ -33,4 +86,6 @@ def lj_calc32():
 
 @pytest.fixture(scope="session")
 def calc_by_dtype(lj_calc64, lj_calc32):
+    import torch
+
     return {torch.float64: lj_calc64, torch.float32: lj_calc32}

@@ -2,6 +2,8 @@
 
 Speed is not asserted here (timed tests on shared machines are noise); this
 checks that ``python -m benchmarks --quick`` works and its report is complete.
+Every benchmark runs, in a few launches (``--only``) that parallel test
+workers can take at once: two of SevenNet-0, the torchrun one, the others.
 """
 
 from __future__ import annotations
@@ -14,26 +16,57 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.run import BENCHMARKS
+
 ROOT = Path(__file__).parents[1]
-SECTIONS = [
-    "1. Layer overhead",
-    "2a. Batched vs ASE sequential",
-    "3. Calculator overhead",
-    "4. Adapter throughput",
-    "5. Scaling",
-    "6. NEB: many paths",
-    "6b. NEB on SevenNet-0",
-    "9a. Batched property workflows",
-    "9b. Batched property workflows",
-    "Workflows: surface and defect energies, batched vs the ASE loop (LJ",
+# the sections a benchmark's report must hold
+SECTIONS = {
+    "overhead": ["1. Layer overhead"],
+    "sequential": ["2a. Batched vs ASE sequential"],
+    "calculator": ["3. Calculator overhead"],
+    "adapter": ["4. Adapter throughput"],
+    "scaling": ["5. Scaling"],
+    "neb": ["6. NEB: many paths"],
+    "neb-sevennet": ["6b. NEB on SevenNet-0"],
+    "properties": ["9a. Batched property workflows"],
+    "properties-sevennet": ["9b. Batched property workflows"],
+    "surfaces-defects": [
+        "Workflows: surface and defect energies, batched vs the ASE loop (LJ"
+    ],
+}
+# launches of similar length (each a few minutes on a loaded 2-core CPU)
+LAUNCHES = {
+    "sevennet-neb": ["neb-sevennet", "runners-sevennet", "memory"],
+    "sevennet-properties": ["properties-sevennet"],
+    "torchrun": ["distributed"],
+}
+LAUNCHES["others"] = [
+    name for name in BENCHMARKS if all(name not in run for run in LAUNCHES.values())
 ]
 
 
+def test_the_launches_run_every_benchmark_once():
+    launched = [name for names in LAUNCHES.values() for name in names]
+    assert sorted(launched) == sorted(BENCHMARKS)
+    assert set(SECTIONS) <= set(BENCHMARKS)
+
+
 @pytest.mark.slow
-def test_quick_benchmark_writes_a_complete_report(tmp_path):
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_quick_benchmark_writes_a_complete_report(launch, tmp_path):
+    names = LAUNCHES[launch]
     report = tmp_path / "performance.md"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--output", str(report)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--only",
+            *names,
+            "--output",
+            str(report),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -43,12 +76,15 @@ def test_quick_benchmark_writes_a_complete_report(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     text = report.read_text()
     assert "quick (smoke test" in text
-    for section in SECTIONS:
-        assert f"## {section}" in text, section
+    for name in names:
+        for section in SECTIONS.get(name, []):
+            assert f"## {section}" in text, section
     speedups = [float(x) for x in re.findall(r"\| ([0-9.]+)× \|", text)]
-    assert speedups
+    if any(name in SECTIONS for name in names):
+        assert speedups
     assert all(0 < value < 1e4 for value in speedups)
-    assert re.search(r"log-log slope: \*\*-?[0-9.]+\*\*", text)
+    if "scaling" in names:
+        assert re.search(r"log-log slope: \*\*-?[0-9.]+\*\*", text)
 
 
 @pytest.mark.slow

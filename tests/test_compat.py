@@ -1,12 +1,15 @@
 """Contract test: every private nvalchemi member the package uses still exists.
 
 An upstream change to one of them fails here, by name, instead of somewhere
-in a physics test.
+in a physics test. The package reaches those members through
+``nvalchemi_ase/_compat.py`` only: imports and attribute names are scanned
+(``tests/_nvalchemi_private.py`` holds the attribute rule).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 from pathlib import Path
@@ -15,10 +18,20 @@ import numpy as np
 import pytest
 
 import nvalchemi_ase
-from nvalchemi_ase._compat import PRIVATE_ATTRIBUTES, PRIVATE_MEMBERS
+from nvalchemi_ase._compat import (
+    PRIVATE_ATTRIBUTES,
+    PRIVATE_MEMBERS,
+    SUBCLASS_HOOKS,
+    engine_seed,
+    set_engine_seed,
+)
 from nvalchemi_ase._quiet import import_quietly
+from tests._nvalchemi_private import PackageScan, ambiguous_names
 
 PACKAGE = Path(nvalchemi_ase.__file__).parent
+LISTED = {member.name for member in PRIVATE_MEMBERS} | {
+    name for names in PRIVATE_ATTRIBUTES.values() for name in names
+}
 
 
 def _owner(member):
@@ -63,6 +76,7 @@ def test_private_attributes_exist_on_live_objects():
         "NeighborListHook": next(h for h in dyn.engine.hooks if is_neighbor_hook(h)),
         "PipelineModelWrapper": composed,
         "_PipelineNeighborListHook": composed.make_neighbor_hooks()[0],
+        "Batch": dyn.batch,
     }
     missing = [
         f"{owner}.{name}"
@@ -120,3 +134,135 @@ def test_npt_state_holds_the_chain_velocities_the_workaround_pads():
     dyn.run(1)
     state = dyn.engine._state
     assert [key for key in _CHAIN_VELOCITIES if getattr(state, key, None) is None] == []
+
+
+@functools.cache
+def _scan() -> tuple[PackageScan, tuple]:
+    """The package's scan and its accesses, once per process."""
+    scan = PackageScan(PACKAGE)
+    return scan, tuple(scan.accesses())
+
+
+@pytest.fixture
+def package_scan():
+    return _scan()[0]
+
+
+@pytest.fixture
+def accesses():
+    """Every use of a private nvalchemi name in the package (one scan)."""
+    return _scan()[1]
+
+
+def _is_subclass_hook_use(access):
+    """A documented ``BaseDynamics`` hook, on ``self`` in a class deriving from it."""
+    on_self = access.receiver in ("self", "super()", "class body")
+    return access.name in SUBCLASS_HOOKS and on_self and access.owner is not None
+
+
+def test_private_nvalchemi_attributes_are_used_only_in_the_compat_module(
+    accesses,
+):
+    offenders = [
+        str(access)
+        for access in accesses
+        if access.path.name != "_compat.py" and not _is_subclass_hook_use(access)
+    ]
+    assert offenders == [], "wrap these in nvalchemi_ase/_compat.py"
+
+
+def test_compat_lists_every_private_nvalchemi_attribute_it_uses(accesses):
+    used = {access.name for access in accesses if access.path.name == "_compat.py"}
+    assert sorted(used - LISTED) == [], "add them to PRIVATE_MEMBERS/ATTRIBUTES"
+    assert set(SUBCLASS_HOOKS) <= LISTED
+
+
+def test_documented_subclass_hooks_are_nvalchemis(package_scan, accesses):
+    """The allowance covers real nvalchemi names, and the engines do use them."""
+    from tests._nvalchemi_private import class_names
+
+    base_dynamics = import_quietly("nvalchemi.dynamics.base").BaseDynamics
+    assert set(SUBCLASS_HOOKS) <= class_names(base_dynamics)
+    used = {a.name for a in accesses if _is_subclass_hook_use(a)}
+    assert used == set(SUBCLASS_HOOKS)
+    # a name both libraries define is not judged on other objects: none of
+    # the names _compat wraps may become one
+    assert sorted(ambiguous_names(package_scan) & LISTED) == []
+
+
+SCANNED_EXAMPLE = """
+from nvalchemi.dynamics.base import BaseDynamics
+from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.example import helper_module
+
+Hook = import_quietly("nvalchemi.hooks").NeighborListHook
+
+
+class Engine(BaseDynamics):
+    _post_update_is_noop = True  # flagged: BaseDynamics' class attribute
+
+    def _init_state(self, batch):  # flagged, as a documented subclass hook
+        self._state = None  # flagged, as a documented subclass hook
+        self._random_seed = 1  # flagged: BaseDynamics reads it
+        self._own_counter = 0  # ours: no nvalchemi class defines it
+
+
+class Engine2(Engine):
+    def step(self, batch):
+        super()._sync_state_to_batch(None, 0, batch)  # flagged (subclass hook)
+
+
+class Skipping(Hook):
+    def __call__(self, ctx, stage):
+        return self._ref_positions  # flagged: NeighborListHook's
+
+
+class Recorder:
+    def __init__(self):
+        self._cache = {}  # ours: a class of the package that is not nvalchemi's
+        self._state = None  # ours too
+
+    def read(self, engine, batch, network):
+        helper_module._ensure_bookkeeping_fields(batch)  # ours: a package module
+        network._modules  # torch's
+        getattr(batch, "_neighbor_list_cutoff", None)  # flagged
+        return engine._admission_initialized  # flagged
+"""
+
+
+def test_attribute_scan_flags_nvalchemi_names_and_spares_the_packages(tmp_path):
+    package = tmp_path / "nvalchemi_ase"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "example.py").write_text(SCANNED_EXAMPLE)
+    found = {(access.name, access.owner) for access in PackageScan(package).accesses()}
+    assert found == {
+        ("_post_update_is_noop", "Engine"),
+        ("_init_state", "Engine"),
+        ("_state", "Engine"),
+        ("_random_seed", "Engine"),
+        ("_sync_state_to_batch", "Engine2"),
+        ("_ref_positions", "Skipping"),
+        ("_neighbor_list_cutoff", "Recorder"),
+        ("_admission_initialized", "Recorder"),
+    }
+
+
+def test_engine_seed_is_the_seed_nvalchemi_saves_and_restores():
+    from nvalchemi_ase import NVAlchemiCalculator
+    from nvalchemi_ase.engines import NVTBussi
+
+    model = NVAlchemiCalculator("lj", device="cpu", dtype="float64").model
+    engine = NVTBussi(model, dt=1.0, temperature=50.0, taut=100.0, random_seed=3)
+    assert engine_seed(engine) == engine.random_seed == 3
+    set_engine_seed(engine, 7)
+    assert engine.state_dict()["random_seed"] == 7
+    engine.load_state_dict({"step_count": 0, "random_seed": 11})
+    assert engine_seed(engine) == engine.random_seed == 11
+
+
+def test_engines_whose_post_update_does_nothing_say_so():
+    from nvalchemi_ase.engines import BFGS, FIRE, MDMin, NVTBussi
+
+    assert [e._post_update_is_noop for e in (FIRE, BFGS, MDMin)] == [True] * 3
+    assert NVTBussi._post_update_is_noop is False  # its post_update works

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -59,27 +60,47 @@ assert sys.excepthook is hook, "excepthook changed"
 
 
 def _imports(path: Path, *, lazy: bool = True) -> set[str]:
-    """Package modules ``path`` imports: statements and ``import_quietly`` strings.
+    """Package modules ``path`` imports, in every form.
 
-    With ``lazy=False`` only module-level imports count (not those inside
-    functions or ``if TYPE_CHECKING`` blocks).
+    ``import a.b``, ``from a.b import c`` (``c`` itself when it is a module,
+    ``from nvalchemi_ase import plotting``; the module defining it when it is
+    one of the package's lazy re-exports, ``from nvalchemi_ase import
+    relax``), and ``import_quietly("...")`` / ``importlib.import_module("...")``
+    strings. With ``lazy=False`` only module-level imports count (not those
+    inside functions or ``if TYPE_CHECKING`` blocks).
     """
     tree = ast.parse(path.read_text())
     nodes = ast.walk(tree) if lazy else _module_level(tree)
     names = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            names.update(_imported_from(node.module, a.name) for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif (
             isinstance(node, ast.Call)
-            and getattr(node.func, "id", None) == "import_quietly"
+            and _called_name(node.func) in ("import_quietly", "import_module")
             and node.args
             and isinstance(node.args[0], ast.Constant)
         ):
             names.add(str(node.args[0].value))
-    return {n for n in names if n.startswith("nvalchemi_ase")}
+    return {n for n in names if n.split(".")[0] == "nvalchemi_ase"}
+
+
+def _called_name(func: ast.expr) -> str | None:
+    """``f`` of ``f(...)`` and of ``module.f(...)``."""
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return getattr(func, "id", None)
+
+
+def _imported_from(module: str, name: str) -> str:
+    """The package module ``from module import name`` depends on."""
+    if f"{module}.{name}" in _package_modules():
+        return f"{module}.{name}"
+    if module == "nvalchemi_ase" and name in nvalchemi_ase._EXPORTS:
+        return nvalchemi_ase._EXPORTS[name]
+    return module
 
 
 def _module_level(tree: ast.Module):
@@ -103,6 +124,7 @@ LAYERS = [
         "nvalchemi_ase._quiet",
         "nvalchemi_ase._compat",
         "nvalchemi_ase.typing",
+        "nvalchemi_ase.plotting",  # numpy and matplotlib only
     ),
     ("nvalchemi_ase.convert",),
     ("nvalchemi_ase.models", "nvalchemi_ase.calculator"),
@@ -115,7 +137,6 @@ LAYERS = [
         "nvalchemi_ase.properties",
         "nvalchemi_ase.runners",
         "nvalchemi_ase.testing",
-        "nvalchemi_ase.plotting",
         "nvalchemi_ase.tables",
         "nvalchemi_ase.analysis",
     ),
@@ -139,6 +160,7 @@ def _layer_of(module: str) -> int | None:
     return None
 
 
+@functools.cache
 def _package_modules() -> dict[str, Path]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
@@ -162,6 +184,34 @@ def test_no_upward_import_between_layers():
                 continue
             violations.append(f"{module} imports {name} (a higher layer)")
     assert violations == []
+
+
+def test_the_layer_test_sees_every_import_form(tmp_path):
+    source = tmp_path / "example.py"
+    source.write_text(
+        "import importlib\n"
+        "import nvalchemi_ase.units\n"
+        "from nvalchemi_ase.dynamics import images\n"
+        "from nvalchemi_ase.dynamics.base import BatchedDynamics\n"
+        "def later():\n"
+        "    from nvalchemi_ase import plotting, relax\n"
+        "    importlib.import_module('nvalchemi_ase.md')\n"
+        "    import_quietly('nvalchemi_ase.engines.mtk')\n"
+    )
+    assert _imports(source) == {
+        "nvalchemi_ase.units",
+        "nvalchemi_ase.dynamics.images",
+        "nvalchemi_ase.dynamics.base",
+        "nvalchemi_ase.plotting",  # a module imported from the package
+        "nvalchemi_ase.runners",  # a lazy re-export: its defining module
+        "nvalchemi_ase.md",
+        "nvalchemi_ase.engines.mtk",
+    }
+    assert _imports(source, lazy=False) == {
+        "nvalchemi_ase.units",
+        "nvalchemi_ase.dynamics.images",
+        "nvalchemi_ase.dynamics.base",
+    }
 
 
 def test_md_and_optimize_never_import_each_other():

@@ -76,6 +76,7 @@ import numpy.typing as npt
 import torch
 from ase.optimize.optimize import RestartError
 
+from nvalchemi_ase._compat import engine_state
 from nvalchemi_ase.dynamics.neighbors import (
     is_neighbor_hook,
     load_neighbor_state,
@@ -489,7 +490,7 @@ def restore_engine(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
     fit = getattr(engine, "fit_checkpoint_state", None)
     if fit is not None:  # padded state: a refilled batch's may be wider
         fit(saved)
-    live = {key: value for key, value in getattr(engine, "_state", None) or ()}
+    live = {key: value for key, value in engine_state(engine) or ()}
     if set(saved) != set(live):
         raise CheckpointError(
             f"restart file {path}: field 'engine' holds {sorted(saved)} but this "

@@ -26,6 +26,7 @@ import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
+from nvalchemi_ase._compat import engine_seed, set_engine_seed
 from nvalchemi_ase.engines._common import (
     ParameterValue,
     check_parameter,
@@ -124,7 +125,7 @@ class ThermostattedVerlet(BaseDynamics):
         self.dt = finite_positive("dt (fs)", dt)
         self._dt_internal = fs_to_ase_time(self.dt)
         if random_seed is not None:
-            self._random_seed = int(random_seed)
+            set_engine_seed(self, random_seed)
         self._generator: torch.Generator | None = None
 
     def set_dt(self, dt: float) -> None:
@@ -143,11 +144,11 @@ class ThermostattedVerlet(BaseDynamics):
     @property
     def random_seed(self) -> int | None:
         """Base seed of the noise (None for deterministic engines)."""
-        return getattr(self, "_random_seed", None)
+        return engine_seed(self)
 
     @random_seed.setter
     def random_seed(self, value: int) -> None:
-        self._random_seed = int(value)
+        set_engine_seed(self, value)
 
     def _step_generator(self, device: torch.device) -> torch.Generator:
         """Return the generator, seeded for the current ``step_count``."""

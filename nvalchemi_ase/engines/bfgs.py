@@ -33,6 +33,7 @@ import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
+from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
@@ -90,6 +91,7 @@ class PaddedLayout:
         return padded[self.rows, self.columns]
 
 
+@post_update_is_noop
 class BFGS(BaseDynamics):
     """Batched BFGS with one dense Hessian per structure (ASE's algorithm).
 
@@ -126,7 +128,6 @@ class BFGS(BaseDynamics):
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
     __provides_keys__: set[str] = {"positions"}  # noqa: RUF012
     samples_equilibrium: ClassVar[bool] = False
-    _post_update_is_noop = True
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
+from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
@@ -62,6 +63,7 @@ __all__ = ["FIRE", "ResetCallback"]
 ResetCallback = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+@post_update_is_noop
 class FIRE(BaseDynamics):
     """Batched FIRE with ASE's arithmetic (``ase.optimize.FIRE``).
 
@@ -96,7 +98,6 @@ class FIRE(BaseDynamics):
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
     __provides_keys__: set[str] = {"positions", "velocities"}  # noqa: RUF012
     samples_equilibrium: ClassVar[bool] = False
-    _post_update_is_noop = True
 
     def __init__(
         self,

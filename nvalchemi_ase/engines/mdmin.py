@@ -24,6 +24,7 @@ import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
+from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
     active_graphs,
     finite_positive,
@@ -45,6 +46,7 @@ __all__ = ["MDMin"]
 STEP_GUARD = 1e-6
 
 
+@post_update_is_noop
 class MDMin(BaseDynamics):
     """Batched MDMin relaxation (ASE's algorithm).
 
@@ -79,7 +81,6 @@ class MDMin(BaseDynamics):
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
     __provides_keys__: set[str] = {"positions", "velocities"}  # noqa: RUF012
     samples_equilibrium: ClassVar[bool] = False
-    _post_update_is_noop = True
 
     def __init__(
         self,

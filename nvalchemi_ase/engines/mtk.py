@@ -56,7 +56,12 @@ import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics import NPT
 
-from nvalchemi_ase._compat import npt_operators
+from nvalchemi_ase._compat import (
+    npt_kinetic_energies,
+    npt_operators,
+    npt_pressure_tensor,
+    npt_volumes,
+)
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
@@ -237,7 +242,7 @@ class ChainNPT(NPT):  # type: ignore[misc]
         ops.npt_thermostat_half_step(
             state.nhc_eta,
             state.nhc_eta_dot,
-            self._compute_ke(batch),
+            npt_kinetic_energies(self, batch),
             state.temperature,
             state.nhc_Q,
             state.num_atoms_per_system,
@@ -289,11 +294,11 @@ class ChainNPT(NPT):  # type: ignore[misc]
         def barostat() -> None:
             ops.npt_barostat_half_step(
                 state.cell_velocity,
-                self._compute_P(batch, volumes),
+                npt_pressure_tensor(self, batch, volumes),
                 state.pressure,
                 volumes,
                 state.W,
-                self._compute_ke(batch),
+                npt_kinetic_energies(self, batch),
                 state.num_atoms_per_system,
                 state.dt,
             )
@@ -324,7 +329,7 @@ class ChainNPT(NPT):  # type: ignore[misc]
         self._pad_length_one_chains()
         ops = npt_operators()
         with deprecated_arguments_ignored():
-            volumes = self._compute_volumes(batch)
+            volumes = npt_volumes(self, batch)
             cells_inv = torch.linalg.inv_ex(batch.cell)[0].contiguous()
             self._particle_chain_half_step(batch, ops)
             self._barostat_chain_half_step(batch, ops)
@@ -347,7 +352,7 @@ class ChainNPT(NPT):  # type: ignore[misc]
         self._pad_length_one_chains()
         ops = npt_operators()
         with deprecated_arguments_ignored():
-            volumes = self._compute_volumes(batch)
+            volumes = npt_volumes(self, batch)
             cells_inv = torch.linalg.inv_ex(batch.cell)[0].contiguous()
             self._barostat_and_velocity_half_steps(
                 batch, ops, volumes, cells_inv, velocities_first=True

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nvalchemi_ase._compat import neighbor_list_cutoff
+
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
@@ -305,8 +307,8 @@ def _pairs(
             "nvalchemi.neighbors.compute_neighbors(batch, "
             "config=model.model_config.neighbor_config) first"
         )
-    built = getattr(data, "_neighbor_list_cutoff", None)
-    if built is not None and float(built) < cutoff - 1e-6:
+    built = neighbor_list_cutoff(data)
+    if built is not None and built < cutoff - 1e-6:
         raise ValueError(
             f"the neighbour list was built to {built} Å; {model_name} needs "
             f"at least {cutoff} Å"
