@@ -320,3 +320,58 @@ def test_nve_conserves_energy(model_file):
     excursion = np.ptp(np.array(kinetic), axis=0)
     assert (excursion > 0.01).all(), excursion  # kinetic <-> potential (eV)
     assert (drift < NVE_DRIFT_FRACTION * excursion).all(), (drift, excursion)
+
+
+def test_a_mace_file_composes_with_d3_by_name_and_on_the_command_line(
+    tmp_path, model_file
+):
+    """``my.model+d3``: the file's MACE plus D3, equal to the two evaluated apart."""
+    pytest.importorskip("tad_dftd3")
+    from ase.calculators.mixing import SumCalculator
+    from ase.io import read, write
+
+    from nvalchemi_ase.cli.main import main
+
+    structures = [
+        STRUCTURES[name]() for name in ("Si_diamond_16", "AlN_primitive", "Cu111_slab")
+    ]
+    for atoms in structures:
+        atoms.info.pop("adsorbate_info", None)  # extxyz cannot write it
+    parts = [
+        NVAlchemiCalculator(
+            load_model("mace", path=model_file), device="cpu", dtype="float64"
+        ),
+        NVAlchemiCalculator(load_model("d3(pbe)"), device="cpu", dtype="float64"),
+    ]
+    composed = NVAlchemiCalculator(
+        load_model(f"{model_file}+d3(pbe)"), device="cpu", dtype="float64"
+    )
+    batched = composed.calculate_batch(structures, ["energy", "forces"])
+    for atoms, result in zip(structures, batched, strict=True):
+        reference = atoms.copy()
+        reference.calc = SumCalculator(parts)
+        assert result["energy"] == pytest.approx(
+            reference.get_potential_energy(), abs=1e-8
+        )
+        np.testing.assert_allclose(
+            result["forces"], reference.get_forces(), rtol=0, atol=1e-8
+        )
+
+    source = tmp_path / "in.extxyz"
+    write(source, structures)
+    out = tmp_path / "relaxed.extxyz"
+    argv = ["relax", "--model", f"{model_file}+d3", "--dtype", "float64"]
+    code = main([*argv, "--device", "cpu", str(source), "-o", str(out), "--quiet"])
+    assert code in (0, None)
+    frames = read(out, ":")
+    assert len(frames) == len(structures)
+    for frame in frames:
+        energy = frame.get_potential_energy()
+        frame.calc = SumCalculator(parts)
+        assert energy == pytest.approx(frame.get_potential_energy(), abs=1e-8)
+
+
+def test_a_missing_mace_file_in_a_composed_name_is_named_before_any_work(tmp_path):
+    missing = tmp_path / "nowhere.model"
+    with pytest.raises((FileNotFoundError, ValueError), match=r"nowhere\.model"):
+        load_model(f"{missing}+d3")

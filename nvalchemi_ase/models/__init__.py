@@ -56,7 +56,9 @@ and ``key=value`` pairs the others. ``load_model("sevennet-0",
 dispersion="d3")`` (or ``dispersion=True``, or ``"d3(b3lyp)"``) adds the
 dispersion part to any model; a composed name takes no other keyword
 parameters except ``neighbor_adaptation`` and ``max_cutoff_ratio`` (nvalchemi's
-list-sharing policy).
+list-sharing policy). A MACE model file may stand for its part:
+``"my.model+d3"`` is ``"mace(path='my.model')+d3"`` (also on the command line,
+``--model my.model+d3``).
 
 ``nvalchemi-ase models`` lists every name with its facts (:mod:`.registry`).
 
@@ -213,6 +215,9 @@ mace.register_models()
 
 #: Keyword parameters a composed name takes (the rest go in a part's parentheses).
 _COMPOSE_PARAMETERS = ("neighbor_adaptation", "max_cutoff_ratio")
+#: Model files a name may be instead of a registered name: suffix -> family
+#: (``"my.model+d3"`` is ``"mace(path='my.model')+d3"``).
+MODEL_FILE_SUFFIXES = {".model": "mace"}
 
 registry.register(
     registry.ModelInfo(
@@ -346,9 +351,17 @@ def _split_parts(name: str) -> list[str]:
 
 
 def _part_call(part: str, whole: str) -> tuple[str, dict[str, Any]]:
-    """``"d3(pbe, cutoff=20)"`` → ``("d3", {"functional": "pbe", "cutoff": 20})``."""
+    """``"d3(pbe, cutoff=20)"`` → ``("d3", {"functional": "pbe", "cutoff": 20})``.
+
+    A model file (:data:`MODEL_FILE_SUFFIXES`) stands for its family with
+    ``path=``: ``"my.model(dtype='float32')"`` → ``("mace", {"path": ...})``.
+    """
     head, paren, rest = part.partition("(")
     head = head.strip()
+    family = _file_family(head)
+    if family is not None:
+        _, params = _part_call(f"{family}({rest}" if paren else family, whole)
+        return family, {**params, "path": head}
     if not paren:
         return head, {}
     if not rest.endswith(")"):
@@ -371,6 +384,16 @@ def _part_call(part: str, whole: str) -> tuple[str, dict[str, Any]]:
             key, value = names[0], item
         params[key.strip()] = _literal(value.strip())
     return head, params
+
+
+def _file_family(head: str) -> str | None:
+    """Return the model family of a file given as a model name, or None."""
+    if registry.lookup(head) is not None:
+        return None
+    for suffix, family in MODEL_FILE_SUFFIXES.items():
+        if head.lower().endswith(suffix):
+            return family
+    return None
 
 
 def _literal(text: str) -> Any:
