@@ -360,8 +360,8 @@ def _part_call(part: str, whole: str) -> tuple[str, dict[str, Any]]:
     head = head.strip()
     family = _file_family(head)
     if family is not None:
-        _, params = _part_call(f"{family}({rest}" if paren else family, whole)
-        return family, {**params, "path": head}
+        _, given = _part_call(f"{family}({rest}" if paren else family, whole)
+        return family, {**given, "path": head}
     if not paren:
         return head, {}
     if not rest.endswith(")"):
