@@ -24,7 +24,10 @@ EXPECTED = {
     "05_analysis": ["npt.png", "npt_3.traj"],
     "06_neb": ["neb_bands.png", "neb.traj"],
     "07_md_analysis": ["liquid_2.traj", "rdf_0.png", "transport_0.png"],
+    "08_mace_d3": ["mace_d3_1.traj", "random.model"],
 }
+# the packages a tutorial needs beyond the test extra's core
+NEEDS = {"08_mace_d3": ["mace", "tad_dftd3"]}
 # what a notebook user must see in the cells' outputs (MIME types)
 DISPLAYED = {
     "02_batched_relaxation": [
@@ -41,9 +44,9 @@ def _cells(notebook):
     return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
 
 
-def test_all_seven_tutorials_exist_as_scripts_and_notebooks():
+def test_all_eight_tutorials_exist_as_scripts_and_notebooks():
     numbers = [path.name[:2] for path in TUTORIALS]
-    assert numbers == ["01", "02", "03", "04", "05", "06", "07"]
+    assert numbers == ["01", "02", "03", "04", "05", "06", "07", "08"]
     for path in TUTORIALS:
         assert path.with_suffix(".ipynb").is_file(), path.name
 
@@ -65,6 +68,8 @@ def test_notebook_holds_the_scripts_cells(path):
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    for package in NEEDS.get(path.stem, []):
+        pytest.importorskip(package)
     # the NEB tutorial is on SevenNet-0; its Lennard-Jones variant runs here
     monkeypatch.setenv("NVALCHEMI_ASE_TUTORIAL_MODEL", "lj")
     # the kernel imports this checkout's package, whatever is installed
