@@ -1032,3 +1032,58 @@ def relax_cells(
             item.atoms.set_constraint()
         relaxed[item.material] = item.atoms
     return relaxed
+
+
+def prepared_materials(
+    images: Atoms | Sequence[Atoms],
+    model: Any,
+    *,
+    device: Any,
+    dtype: Any,
+    relax: bool,
+    fmax: float,
+    steps: int,
+    cell_optimizer: str,
+    memory_budget: float | None,
+    symprec: float | None = None,
+) -> tuple[NVAlchemiCalculator, list[Atoms], Ledger, list[Atoms]]:
+    """Every bulk workflow's start: calculator, checked materials, references.
+
+    Parameters
+    ----------
+    images : ase.Atoms or sequence of ase.Atoms
+        The materials (never modified), periodic in three directions.
+    model : str, BaseModelMixin or NVAlchemiCalculator
+        See :func:`resolve_calculator` (with ``device`` and ``dtype``).
+    device, dtype
+        For a model given by name or object.
+    relax : bool
+        Relax cell and ions of every material first (:func:`relax_cells`
+        with ``fmax`` eV/Å, ``steps``, ``cell_optimizer``, ``memory_budget``
+        bytes and ``symprec``).
+
+    Returns
+    -------
+    tuple
+        The calculator, the materials (copies), the failure ledger (materials
+        refused by the checks already recorded) and the reference cells the
+        workflow derives its structures from (the relaxed copies, or the
+        materials themselves).
+    """
+    calc = resolve_calculator(model, device=device, dtype=dtype)
+    structures = materials(images)
+    ledger = Ledger(len(structures))
+    validate(calc, structures, ledger, periodic=True)
+    if not relax:
+        return calc, structures, ledger, structures
+    references = relax_cells(
+        calc,
+        structures,
+        ledger,
+        fmax=fmax,
+        steps=steps,
+        optimizer=cell_optimizer,
+        memory_budget=memory_budget,
+        symprec=symprec,
+    )
+    return calc, structures, ledger, references

@@ -35,11 +35,8 @@ from nvalchemi_ase.properties._common import (
     MaterialResult,
     evaluate,
     gather,
-    materials,
+    prepared_materials,
     relax_and_evaluate,
-    relax_cells,
-    resolve_calculator,
-    validate,
 )
 
 if TYPE_CHECKING:
@@ -204,22 +201,16 @@ def elastic_constants(
         For invalid arguments.
     """
     _check_arguments(strain, n_strains, optimizer, cell_optimizer)
-    calc = resolve_calculator(model, device=device, dtype=dtype)
-    structures = materials(images)
-    ledger = Ledger(len(structures))
-    validate(calc, structures, ledger, periodic=True)
-    references = (
-        relax_cells(
-            calc,
-            structures,
-            ledger,
-            fmax=fmax,
-            steps=steps,
-            optimizer=cell_optimizer,
-            memory_budget=memory_budget,
-        )
-        if relax_first
-        else structures
+    calc, structures, ledger, references = prepared_materials(
+        images,
+        model,
+        device=device,
+        dtype=dtype,
+        relax=relax_first,
+        fmax=fmax,
+        steps=steps,
+        cell_optimizer=cell_optimizer,
+        memory_budget=memory_budget,
     )
     values = np.linspace(-strain, strain, n_strains)
     derived, slots = _strained_cells(references, values, ledger)

@@ -30,12 +30,9 @@ from nvalchemi_ase.properties._common import (
     MaterialResult,
     evaluate,
     gather,
-    materials,
+    prepared_materials,
     relax_and_evaluate,
-    relax_cells,
     relax_structures,
-    resolve_calculator,
-    validate,
 )
 
 if TYPE_CHECKING:
@@ -223,22 +220,16 @@ def equation_of_state(
         For invalid arguments.
     """
     _check_arguments(n_volumes, strain, relax, eos, optimizer, cell_optimizer)
-    calc = resolve_calculator(model, device=device, dtype=dtype)
-    structures = materials(images)
-    ledger = Ledger(len(structures))
-    validate(calc, structures, ledger, periodic=True)
-    references = (
-        relax_cells(
-            calc,
-            structures,
-            ledger,
-            fmax=fmax,
-            steps=steps,
-            optimizer=cell_optimizer,
-            memory_budget=memory_budget,
-        )
-        if relax_first
-        else structures
+    calc, structures, ledger, references = prepared_materials(
+        images,
+        model,
+        device=device,
+        dtype=dtype,
+        relax=relax_first,
+        fmax=fmax,
+        steps=steps,
+        cell_optimizer=cell_optimizer,
+        memory_budget=memory_budget,
     )
     factors = np.linspace(1.0 - strain, 1.0 + strain, n_volumes)
     derived = _scaled_cells(references, factors, ledger)

@@ -40,10 +40,7 @@ from nvalchemi_ase.properties._common import (
     Ledger,
     MaterialResult,
     evaluate,
-    materials,
-    relax_cells,
-    resolve_calculator,
-    validate,
+    prepared_materials,
 )
 from nvalchemi_ase.properties.phonons import (
     _frequencies,
@@ -293,23 +290,17 @@ def thermal_conductivity(
     matrix = _supercell_matrix(supercell)
     fc2_matrix = None if fc2_supercell is None else _supercell_matrix(fc2_supercell)
     mesh_array = _mesh(mesh)
-    calc = resolve_calculator(model, device=device, dtype=dtype)
-    structures = materials(images)
-    ledger = Ledger(len(structures))
-    validate(calc, structures, ledger, periodic=True)
-    references = (
-        relax_cells(
-            calc,
-            structures,
-            ledger,
-            fmax=fmax,
-            steps=steps,
-            optimizer=cell_optimizer,
-            memory_budget=memory_budget,
-            symprec=symprec,
-        )
-        if relax
-        else structures
+    calc, _, ledger, references = prepared_materials(
+        images,
+        model,
+        device=device,
+        dtype=dtype,
+        relax=relax,
+        fmax=fmax,
+        steps=steps,
+        cell_optimizer=cell_optimizer,
+        memory_budget=memory_budget,
+        symprec=symprec,
     )
     plans: dict[int, _Plan] = {}
     derived: list[Derived] = []

@@ -34,11 +34,8 @@ from nvalchemi_ase.properties._common import (
     MaterialResult,
     evaluate,
     gather,
-    materials,
+    prepared_materials,
     relax_and_evaluate,
-    relax_cells,
-    resolve_calculator,
-    validate,
 )
 from nvalchemi_ase.properties.eos import _scaled_cells
 from nvalchemi_ase.properties.phonons import (
@@ -274,23 +271,17 @@ def qha(
     )
     matrix = _supercell_matrix(supercell)
     mesh_array = _mesh(mesh)
-    calc = resolve_calculator(model, device=device, dtype=dtype)
-    structures = materials(images)
-    ledger = Ledger(len(structures))
-    validate(calc, structures, ledger, periodic=True)
-    references = (
-        relax_cells(
-            calc,
-            structures,
-            ledger,
-            fmax=fmax,
-            steps=steps,
-            optimizer=cell_optimizer,
-            memory_budget=memory_budget,
-            symprec=symprec,
-        )
-        if relax_first
-        else structures
+    calc, _, ledger, references = prepared_materials(
+        images,
+        model,
+        device=device,
+        dtype=dtype,
+        relax=relax_first,
+        fmax=fmax,
+        steps=steps,
+        cell_optimizer=cell_optimizer,
+        memory_budget=memory_budget,
+        symprec=symprec,
     )
     factors = np.linspace(1.0 - strain, 1.0 + strain, n_volumes)
     volumes = _scaled_cells(references, factors, ledger)
