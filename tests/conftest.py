@@ -8,6 +8,7 @@ gets an equal share of the cores for its thread pools (below).
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -33,6 +34,16 @@ def _share_the_cores_between_workers() -> None:
 
 
 _share_the_cores_between_workers()
+
+# The throughput probe sizes working batches from timings: the suite keeps to
+# memory budgets so that batching is the same on every run and machine
+# (tests/test_throughput.py switches it on with fake clocks); subprocesses a
+# test starts inherit both settings. Nothing is cached in the user's home.
+os.environ.setdefault("NVALCHEMI_ASE_THROUGHPUT_PROBE", "0")
+os.environ.setdefault(
+    "NVALCHEMI_ASE_CACHE",
+    os.path.join(tempfile.gettempdir(), f"nvalchemi_ase_test_cache_{os.getpid()}"),
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -122,7 +122,7 @@ def scan_inputs(
         model cannot run (``file@frame``, the field and the fix), or one too
         large for the budget (its atoms, the estimate and the memory).
     """
-    from nvalchemi_ase.cli.common import iter_sources, structure_message
+    from nvalchemi_ase.cli.common import iter_sources, say, structure_message
     from nvalchemi_ase.convert import StructureError, check_images
     from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 
@@ -151,6 +151,8 @@ def scan_inputs(
             inputs.estimated_bytes.append(float(cost[2]))
     if not inputs.labels:
         raise CommandError("no structures in the input files")
+    if budget.profile is not None:
+        say(args, f"batch size: {budget.profile.describe()}")
     return inputs
 
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
     from nvalchemi_ase.models.memory import MemoryEstimate
+    from nvalchemi_ase.runners.throughput import ThroughputProfile
 
 __all__ = ["Budget"]
 
@@ -38,6 +39,13 @@ class Budget:
         Structures.
     available : int or None
         Free memory when the budget was made, bytes (with ``max_bytes``).
+    profile : ThroughputProfile or None
+        The throughput probe's result once taken (see :meth:`for_calculator`);
+        ``profile.describe()`` says what it measured and what it cost.
+    tuned_max_atoms, tuned_max_edges : int or None
+        The probe's fastest batch size, atoms or edges: structures join a
+        non-empty batch only within it. Unlike the limits above it refuses
+        nothing: a structure larger than it runs alone.
     """
 
     max_atoms: int | None = None
@@ -47,6 +55,11 @@ class Budget:
     cutoff: float | None = None
     max_structures: int | None = None
     available: int | None = field(default=None, repr=False)
+    profile: ThroughputProfile | None = None
+    tuned_max_atoms: int | None = None
+    tuned_max_edges: int | None = None
+    _probe_with: NVAlchemiCalculator | None = field(default=None, repr=False)
+    _probe_tries: int = field(default=0, repr=False)
 
     @classmethod
     def for_calculator(
@@ -57,17 +70,28 @@ class Budget:
         max_structures: int | None = None,
         *,
         sharers: int = 1,
+        probe: bool | None = None,
     ) -> Budget:
         """Build the budget for ``calc``'s model: the counts given, else memory.
 
         ``sharers`` processes share the device's memory (ranks of a
         distributed run on one CPU or GPU): each gets that fraction of it.
+
+        A memory budget is also tuned for throughput (``probe``; default on
+        unless ``$NVALCHEMI_ASE_THROUGHPUT_PROBE=0``): the first structure
+        priced with :meth:`cost` that fits is the sample of
+        :func:`~nvalchemi_ase.runners.throughput.cached_profile`, and where
+        batches larger than the fastest one were measurably slower per atom,
+        the budget keeps to the fastest (``max_atoms``, or ``max_edges`` for
+        models whose memory grows with edges). Given counts are kept as they
+        are: they fix the size by hand.
         """
         from nvalchemi_ase.models.memory import (
             SAFETY_FRACTION,
             available_memory,
             memory_estimate,
         )
+        from nvalchemi_ase.runners.throughput import probe_enabled
 
         for name, value in (
             ("max_atoms", max_atoms),
@@ -91,6 +115,7 @@ class Budget:
             cutoff=estimate.cutoff,
             max_structures=max_structures,
             available=available,
+            _probe_with=calc if (probe_enabled() if probe is None else probe) else None,
         )
 
     def cost(self, atoms: Atoms) -> npt.NDArray[np.float64]:
@@ -105,7 +130,45 @@ class Budget:
         memory = (
             0.0 if self.estimate is None else self.estimate.bytes_for(len(atoms), edges)
         )
-        return np.array([natoms, edges, memory, 1.0])
+        cost = np.array([natoms, edges, memory, 1.0])
+        if self._probe_with is not None:
+            self._tune(atoms, cost)
+        return cost
+
+    def _tune(self, sample: Atoms, cost: npt.NDArray[np.float64]) -> None:
+        """Take the throughput profile on ``sample`` and keep to its fastest size.
+
+        A sample that does not fit alone is passed over; a probe that fails
+        (an invalid structure, say: the run reports it itself) is tried again
+        on the next structure, twice at most, and then given up: the budget
+        stays a memory budget.
+        """
+        from nvalchemi_ase.runners.throughput import cached_profile
+
+        calc = self._probe_with
+        if calc is None or not self.fits(np.zeros(4), cost):
+            return
+        copies = float(np.min(self.limits / np.maximum(cost, 1e-300)))
+        self._probe_tries += 1
+        try:
+            profile = cached_profile(calc, sample, max_atoms=copies * cost[0])
+        except Exception:  # tuning is optional; the run reports its own errors
+            if self._probe_tries >= 3:
+                self._probe_with = None
+            return
+        self._probe_with = None
+        self.profile = profile
+        cap = profile.cap_atoms()
+        if cap is None:
+            return
+        if (
+            cost[1] > 0
+            and self.estimate is not None
+            and self.estimate.bytes_per_edge > 0
+        ):
+            self.tuned_max_edges = max(1, int(cap / cost[0] * cost[1]))
+        else:
+            self.tuned_max_atoms = max(1, cap)
 
     @property
     def limits(self) -> npt.NDArray[np.float64]:
@@ -125,8 +188,21 @@ class Budget:
     def fits(
         self, used: npt.NDArray[np.float64], cost: npt.NDArray[np.float64]
     ) -> bool:
-        """Whether ``cost`` fits next to ``used``."""
-        return bool(np.all(used + cost <= self.limits))
+        """Whether ``cost`` fits next to ``used`` (``used[3]`` structures so far).
+
+        Within the limits always; within the tuned size too unless the batch
+        is empty (a structure larger than the tuned size runs alone).
+        """
+        total = used + cost
+        if not np.all(total <= self.limits):
+            return False
+        tuned = (self.tuned_max_atoms, self.tuned_max_edges)
+        if used[3] == 0 or tuned == (None, None):
+            return True
+        return all(
+            limit is None or total[column] <= limit
+            for column, limit in enumerate(tuned)
+        )
 
     def refusal(self, cost: npt.NDArray[np.float64]) -> str | None:
         """Why a structure alone does not fit, or None."""
