@@ -84,7 +84,11 @@ def budget_for(args: argparse.Namespace, calc: Any) -> Any:
     from nvalchemi_ase.runners import Budget
 
     return Budget.for_calculator(
-        calc, args.max_atoms, None, args.batch_size or DEFAULT_MAX_STRUCTURES
+        calc,
+        args.max_atoms,
+        None,
+        args.batch_size or DEFAULT_MAX_STRUCTURES,
+        probe=False if getattr(args, "command", None) == "md" else None,
     )
 
 

@@ -69,8 +69,12 @@ def opened_run(
     output: str | Path | None = None,
     resume: bool = False,
     failures: str | Path | None = None,
+    probe: bool | None = None,
 ) -> Iterator[Run]:
     """Open one runner call: this process's shard, calculator, budget, output.
+
+    ``probe`` is the budget's throughput tuning (None: its default; see
+    :meth:`~nvalchemi_ase.runners.budget.Budget.for_calculator`).
 
     The output is finished (shard files merged) when the block ends normally;
     on an error or an abandoned generator it is only closed, so that
@@ -88,6 +92,7 @@ def opened_run(
             max_edges,
             max_structures,
             sharers=shard.memory_sharers(calc.device),
+            probe=probe,
         )
         sink = Sink(output, resume, failures, shard)
         try:
