@@ -258,7 +258,7 @@ def test_langevin_holds_bonds_and_reaches_the_temperature_ase_counts(soft_lj):
 # -- optimizers ------------------------------------------------------------------------
 
 
-STEPS = 25  # optimizer steps compared (not all converge by then)
+STEPS = 15  # optimizer steps compared (not all converge by then)
 
 
 def _argon_with_bonds():

@@ -86,7 +86,8 @@ def minimum_image(
         return vectors
     cell = geometry.cell[graph]
     pbc = geometry.pbc[graph]
-    fractional = torch.linalg.solve(cell.mT, vectors.unsqueeze(-1)).squeeze(-1)
+    inverse = torch.linalg.inv(geometry.cell)[graph]
+    fractional = torch.einsum("ka,kab->kb", vectors, inverse)
     shift = torch.where(pbc, torch.round(fractional), 0.0)
     wrapped = vectors - torch.einsum("ka,kab->kb", shift, cell)
     shifts = torch.as_tensor(_IMAGE_SHIFTS, dtype=vectors.dtype, device=vectors.device)
@@ -150,6 +151,7 @@ class BondConstraints:
         self.tolerance = tensor(tolerances, dtype)
         self.graph = tensor(graph, torch.long)
         self.maxiter = torch.as_tensor(maxiter, dtype=torch.long, device=device)
+        self._most_sweeps = int(maxiter.max()) if len(maxiter) else 0
         self.num_graphs = len(maxiter)
         self.has_bonds = torch.zeros(self.num_graphs, dtype=torch.bool, device=device)
         self.has_bonds[self.graph] = True
@@ -280,9 +282,8 @@ class BondConstraints:
             running &= ~skip
         failed = torch.zeros_like(running)
         sweeps = torch.zeros_like(self.maxiter)
-        limit = int(self.maxiter.max()) if self.num_graphs else 0
         every = 1 if self._host_reads else _SWEEPS_PER_CHECK_ON_DEVICE
-        for sweep in range(limit):
+        for sweep in range(self._most_sweeps):
             changed = torch.zeros(
                 self.num_graphs, dtype=torch.long, device=running.device
             )
