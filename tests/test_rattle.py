@@ -369,3 +369,12 @@ def test_restart_continues_exactly(tmp_path, soft_lj):
     for ours, theirs in zip(second.images, reference.images, strict=True):
         np.testing.assert_array_equal(ours.positions, theirs.positions)
         np.testing.assert_array_equal(ours.get_momenta(), theirs.get_momenta())
+
+
+def test_relax_plus_md_refuses_rigid_constraints(soft_lj):
+    images = [water_box((1, 1, 2), seed=14)]
+    options = {"model": soft_lj, "device": "cpu", "dtype": "float64"}
+    optimizer = FIRE(images, logfile=None, **options)
+    md = VelocityVerlet(images, DT, **options)
+    with pytest.raises(ValueError, match=r"images\[0\] has constraint FixBondLengths"):
+        optimizer + md

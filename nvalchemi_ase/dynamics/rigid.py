@@ -161,10 +161,11 @@ class BondConstraints:
         inverse = free_first / mass_first + free_second / mass_second
         movable = inverse > 0
         reduced = torch.where(movable, 1.0 / torch.where(movable, inverse, 1.0), 0.0)
-        #: μ/m_a and μ/m_b (ASE's ``m / masses[a]``), 0 for frozen atoms.
-        self.weight_first = reduced / mass_first * free_first
-        self.weight_second = reduced / mass_second * free_second
-        self.movable = movable
+        #: μ/m_a and μ/m_b (ASE's ``m / masses[a]``), 0 for frozen atoms, [K, 1].
+        self.weight_first = (reduced / mass_first * free_first).unsqueeze(-1)
+        self.weight_second = (reduced / mass_second * free_second).unsqueeze(-1)
+        #: ``|x|`` above which a bond is corrected (never for two frozen atoms).
+        self.threshold = torch.where(movable, self.tolerance, torch.inf)
         self._host_reads = device.type == "cpu"
 
     def shake(
@@ -215,8 +216,8 @@ class BondConstraints:
         )
         squared = self.length * self.length
         if as_momenta:
-            scale_first = self.weight_first * masses[self.first]
-            scale_second = self.weight_second * masses[self.second]
+            scale_first = self.weight_first * masses[self.first].unsqueeze(-1)
+            scale_second = self.weight_second * masses[self.second].unsqueeze(-1)
         else:
             scale_first, scale_second = self.weight_first, self.weight_second
 
@@ -257,18 +258,10 @@ class BondConstraints:
             self.weight_first[start:end],
             self.weight_second[start:end],
         )
-        active = (
-            (x.abs() > self.tolerance[start:end])
-            & running[self.graph[start:end]]
-            & self.movable[start:end]
-        )
+        active = (x.abs() > self.threshold[start:end]) & running
         x = torch.where(active, x, 0.0).unsqueeze(-1)
-        target.index_add_(
-            0, self.first[start:end], x * first_weight.unsqueeze(-1) * bond
-        )
-        target.index_add_(
-            0, self.second[start:end], -(x * second_weight.unsqueeze(-1)) * bond
-        )
+        target.index_add_(0, self.first[start:end], x * first_weight * bond)
+        target.index_add_(0, self.second[start:end], -(x * second_weight) * bond)
         return active
 
     def _iterate(
@@ -283,13 +276,14 @@ class BondConstraints:
         failed = torch.zeros_like(running)
         sweeps = torch.zeros_like(self.maxiter)
         every = 1 if self._host_reads else _SWEEPS_PER_CHECK_ON_DEVICE
+        active = torch.zeros(len(self.graph), dtype=torch.bool, device=running.device)
         for sweep in range(self._most_sweeps):
-            changed = torch.zeros(
-                self.num_graphs, dtype=torch.long, device=running.device
-            )
+            running_bonds = running[self.graph]
             for start, end in self.level_slices:
-                active = update(start, end, running)
-                changed.index_add_(0, self.graph[start:end], active.long())
+                active[start:end] = update(start, end, running_bonds[start:end])
+            changed = torch.zeros_like(self.maxiter).index_add_(
+                0, self.graph, active.long()
+            )
             sweeps += running.long()
             still = running & (changed > 0)
             exhausted = still & (sweeps >= self.maxiter)
