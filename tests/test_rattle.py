@@ -378,3 +378,19 @@ def test_relax_plus_md_refuses_rigid_constraints(soft_lj):
     md = VelocityVerlet(images, DT, **options)
     with pytest.raises(ValueError, match=r"images\[0\] has constraint FixBondLengths"):
         optimizer + md
+
+
+def test_bonds_to_fixed_atoms_move_only_the_free_atom(soft_lj):
+    from ase.constraints import FixAtoms
+
+    images = [water_box((1, 2, 2), seed=15), water_box((2, 2, 2), seed=16)]
+    fixed = [0, 4]  # an oxygen, a hydrogen
+    images[1].set_constraint([FixAtoms(indices=fixed), images[1].constraints[0]])
+    start = images[1].positions[fixed].copy()
+    dyn = VelocityVerlet(images, DT, model=soft_lj, device="cpu", dtype="float64")
+    dyn.run(10)
+    np.testing.assert_array_equal(images[1].positions[fixed], start)
+    for atoms in images:
+        bonds = next(c for c in atoms.constraints if isinstance(c, FixBondLengths))
+        lengths = [atoms.get_distance(a, b, mic=True) for a, b in bonds.pairs]
+        np.testing.assert_allclose(lengths, bonds.bondlengths, rtol=0, atol=BOND_TOL)
