@@ -400,3 +400,16 @@ def check_parts(optimizer: Any, md: Any, *, operator: str = "+") -> None:
         raise ValueError(f"relax {operator} md supports fixed-cell relaxation only")
     if optimizer.nsteps or md.nsteps:
         raise ValueError("compose the optimizer and the MD object before running them")
+    for index, atoms in enumerate(md.images):
+        rigid = [c for c in atoms.constraints if type(c).__name__ in _RIGID]
+        if rigid:
+            raise ValueError(
+                f"images[{index}] has constraint {type(rigid[0]).__name__}: relax "
+                f"{operator} md applies one set of constraint hooks to both stages, "
+                "and this one is applied differently in optimizers and MD; run the "
+                "optimizer and the MD one after the other"
+            )
+
+
+#: RATTLE-type constraints, applied differently by optimizers and MD.
+_RIGID = ("FixBondLengths", "FixLinearTriatomic")

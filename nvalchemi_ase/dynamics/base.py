@@ -804,7 +804,12 @@ class BatchedDynamics(AseBaseDynamics):
         frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
         if frozen and not self._engine_freezes_atoms():
             hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
-        self._constraints = BatchConstraints(self.images, self.batch)
+        self._constraints = BatchConstraints(
+            self.images,
+            self.batch,
+            timestep=lambda: getattr(self, "dt", None),
+            guard=self._guard,
+        )
         if self._constraints.any:
             hooks += self._constraints.hooks(
                 stages, momenta=self.velocities_are_momenta

@@ -17,6 +17,15 @@ ASE method         when ASE calls it       hook stage here
 ``adjust_momenta`` ``set_momenta``         after ``post_update`` (velocities)
 =================  ======================  ==========================================
 
+``FixBondLengths`` and ``FixLinearTriatomic`` (:mod:`.rigid`) follow ASE's
+MD as well as its optimizers: in MD their forces are left as the model gave
+them (``get_forces(md=True)``; ``FixLinearTriatomic``'s
+``redistribute_forces_md`` is applied only while the engine's kicks read
+them), the velocities after the drift are the constrained displacement over
+the time step (``VelocityVerlet``: ``p = (x' - x) m / dt``) and the
+velocities after the second kick are RATTLEd; in optimizers forces are
+projected (``adjust_forces``) and every step is SHAKEn.
+
 Semantics are ASE 3.29's (``ase/constraints/fix_com.py``,
 ``fix_cartesian.py``, ``fix_symmetry.py`` with
 ``ase/spacegroup/symmetrize.py``):
@@ -41,16 +50,30 @@ step. Other ASE constraints are refused by name before any step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from ase import Atoms
-from ase.constraints import FixAtoms, FixCartesian, FixCom, FixSymmetry
+from ase.constraints import (
+    FixAtoms,
+    FixBondLengths,
+    FixCartesian,
+    FixCom,
+    FixLinearTriatomic,
+    FixSymmetry,
+)
 
+from nvalchemi_ase.convert import FROZEN_CATEGORY
+from nvalchemi_ase.dynamics.failures import CONSTRAINTS_DID_NOT_CONVERGE, FailureGuard
 from nvalchemi_ase.dynamics.hooks import StageHook
+from nvalchemi_ase.dynamics.rigid import (
+    Geometry,
+    bond_constraints,
+    linear_triatomics,
+)
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -58,7 +81,23 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_CONSTRAINTS", "BatchConstraints", "unsupported_constraint"]
 
 #: ASE constraint classes the dynamics honour (FixAtoms through nvalchemi).
-SUPPORTED_CONSTRAINTS: tuple[type, ...] = (FixAtoms, FixCartesian, FixCom, FixSymmetry)
+SUPPORTED_CONSTRAINTS: tuple[type, ...] = (
+    FixAtoms,
+    FixCartesian,
+    FixCom,
+    FixSymmetry,
+    FixBondLengths,
+    FixLinearTriatomic,
+)
+
+#: Constraints whose degrees of freedom ASE's ``get_removed_dof`` counts here
+#: (``FixAtoms``' are the frozen atoms' own).
+_COUNTED_DOF: tuple[type, ...] = (
+    FixCartesian,
+    FixCom,
+    FixBondLengths,
+    FixLinearTriatomic,
+)
 
 
 def unsupported_constraint(atoms: Atoms) -> str | None:
@@ -114,6 +153,13 @@ class BatchConstraints:
         The structures, in batch order (their constraints are read here).
     batch : nvalchemi.data.Batch
         Their batch (device, dtype, ``batch_idx``).
+    timestep : callable, optional
+        Returns the MD time step, ASE time units (``FixBondLengths`` and
+        ``FixLinearTriatomic`` take the velocities after the drift from the
+        constrained displacement over it).
+    guard : FailureGuard, optional
+        Where a structure whose bond constraints do not converge is flagged
+        (skipped from then on); without one such a structure raises.
 
     Raises
     ------
@@ -121,10 +167,22 @@ class BatchConstraints:
         For a constraint that is not supported, naming the structure.
     """
 
-    def __init__(self, images: Sequence[Atoms], batch: Batch) -> None:
+    def __init__(
+        self,
+        images: Sequence[Atoms],
+        batch: Batch,
+        *,
+        timestep: Callable[[], Any] | None = None,
+        guard: FailureGuard | None = None,
+    ) -> None:
         self._batch_idx = batch.batch_idx.long()
         self._num_graphs = len(images)
         self._masses = batch.atomic_masses.detach().unsqueeze(-1)
+        self._categories = batch.atom_categories
+        self._pbc = batch.pbc
+        self._timestep = timestep
+        self._guard = guard
+        self._md = False
         self._saved: dict[str, torch.Tensor] = {}
         self.refresh(images)
 
@@ -147,14 +205,30 @@ class BatchConstraints:
         com = [any(type(c) is FixCom for c in a.constraints) for a in images]
         self.com = torch.tensor(com, device=device) if any(com) else None
         self.symmetry = _symmetry(images, offsets, sum(sizes), device, dtype)
-        #: Degrees of freedom ``FixCartesian`` and ``FixCom`` remove, (B,):
-        #: ASE's ``get_removed_dof`` (FixAtoms' are the frozen atoms' own).
+        free = (self._categories != FROZEN_CATEGORY).to(dtype)
+        self.bonds = bond_constraints(images, offsets, self._masses.squeeze(-1), free)
+        self.triatomics = linear_triatomics(images, offsets, device, dtype)
+        rigid = np.repeat(
+            [
+                any(
+                    type(c) in (FixBondLengths, FixLinearTriatomic)
+                    for c in a.constraints
+                )
+                for a in images
+            ],
+            sizes,
+        )
+        #: [V, 1] bool: atoms of structures with RATTLE-type constraints.
+        self._rigid_atoms = torch.as_tensor(rigid, device=device).unsqueeze(-1)
+        self._periodic = bool(np.any([a.pbc.any() for a in images]))
+        #: Degrees of freedom the constraints remove, (B,): ASE's
+        #: ``get_removed_dof`` (FixAtoms' are the frozen atoms' own).
         self.removed_dof = np.array(
             [
                 sum(
                     c.get_removed_dof(atoms)
                     for c in atoms.constraints
-                    if type(c) in (FixCartesian, FixCom)
+                    if type(c) in _COUNTED_DOF
                 )
                 for atoms in images
             ],
@@ -168,7 +242,13 @@ class BatchConstraints:
             self.cartesian is not None
             or self.com is not None
             or self.symmetry is not None
+            or self.rigid
         )
+
+    @property
+    def rigid(self) -> bool:
+        """Whether any structure has ``FixBondLengths`` or ``FixLinearTriatomic``."""
+        return self.bonds is not None or self.triatomics is not None
 
     def hooks(self, stages: Any, *, momenta: bool) -> list[Any]:
         """Return the hooks applying the constraints (``DynamicsStage`` ``stages``).
@@ -187,13 +267,21 @@ class BatchConstraints:
         list
             Hooks to register after the failure guard's.
         """
-        after_post = self.adjust_step_and_momenta if momenta else self.adjust_step
+        self._md = momenta
+        if not momenta:
+            return [
+                StageHook(stages.AFTER_COMPUTE, self.adjust_forces_and_stress),
+                StageHook(stages.BEFORE_PRE_UPDATE, self.save),
+                StageHook(stages.AFTER_PRE_UPDATE, self.adjust_step),
+                StageHook(stages.BEFORE_POST_UPDATE, self.save),
+                StageHook(stages.AFTER_POST_UPDATE, self.adjust_step),
+            ]
         return [
             StageHook(stages.AFTER_COMPUTE, self.adjust_forces_and_stress),
-            StageHook(stages.BEFORE_PRE_UPDATE, self.save),
-            StageHook(stages.AFTER_PRE_UPDATE, self.adjust_step),
-            StageHook(stages.BEFORE_POST_UPDATE, self.save),
-            StageHook(stages.AFTER_POST_UPDATE, after_post),
+            StageHook(stages.BEFORE_PRE_UPDATE, self.save_for_kick),
+            StageHook(stages.AFTER_PRE_UPDATE, self.adjust_drift),
+            StageHook(stages.BEFORE_POST_UPDATE, self.save_for_kick),
+            StageHook(stages.AFTER_POST_UPDATE, self.adjust_step_and_momenta),
         ]
 
     # -- what the hooks do -----------------------------------------------------------
@@ -208,10 +296,36 @@ class BatchConstraints:
             else:
                 saved.copy_(value)
 
-    def adjust_forces_and_stress(self, batch: Batch) -> None:
-        """ASE's ``adjust_forces`` and ``adjust_stress`` on the new model output."""
+    def save_for_kick(self, batch: Batch) -> None:
+        """:meth:`save`; in MD with ``FixLinearTriatomic``, its force redistribution.
+
+        ASE's MD kicks with ``get_forces(md=True)``, where each triple's forces
+        are redistributed (``redistribute_forces_md``); the engine's kick sees
+        them, and the model's forces are put back after the update.
+        """
+        self.save(batch)
+        if self.triatomics is None:
+            return
         with torch.no_grad():
-            batch.forces.copy_(self._forces(batch.forces.detach(), batch.cell))
+            forces = batch.forces.detach()
+            saved = self._saved.get("forces")
+            if saved is None or saved.shape != forces.shape:
+                self._saved["forces"] = forces.clone()
+            else:
+                saved.copy_(forces)
+            self.triatomics.redistribute_md(forces)
+
+    def adjust_forces_and_stress(self, batch: Batch) -> None:
+        """ASE's ``adjust_forces`` and ``adjust_stress`` on the new model output.
+
+        In MD, ``FixBondLengths`` and ``FixLinearTriatomic`` leave forces alone
+        (ASE's ``get_forces(md=True)``).
+        """
+        with torch.no_grad():
+            forces = self._forces(batch.forces.detach(), batch.cell)
+            if not self._md:
+                self._rigid_forces(forces, batch)
+            batch.forces.copy_(forces)
             stress = getattr(batch, "stress", None)
             if self.symmetry is not None and isinstance(stress, torch.Tensor):
                 stress.copy_(self._rank2(stress.detach(), batch.cell))
@@ -224,15 +338,123 @@ class BatchConstraints:
             positions = old_positions + step
             if self.symmetry is not None:
                 positions = self._symmetric_step(batch, old_positions, positions)
+            if self.rigid:
+                self._rigid_positions(old_positions, positions, batch)
             batch.positions.copy_(positions)
+
+    def adjust_drift(self, batch: Batch) -> None:
+        """MD after the drift: :meth:`adjust_step`, then ASE's velocities.
+
+        With RATTLE-type constraints ASE's integrators take the velocities
+        from the constrained displacement, ``p = (x' - x) m / dt``: here the
+        velocities gain the constraint's correction over the time step,
+        ``(x' - x_free) / dt``, which is that for velocity Verlet and keeps
+        the noise a thermostat added between two drifts (BAOAB); the
+        model's forces come back where a kick redistributed them.
+        """
+        if not self.rigid:
+            self.adjust_step(batch)
+            return
+        unconstrained = batch.positions.detach().clone()
+        self.adjust_step(batch)
+        with torch.no_grad():
+            self._restore_forces(batch)
+            velocities = getattr(batch, "velocities", None)
+            timestep = None if self._timestep is None else self._timestep()
+            if not isinstance(velocities, torch.Tensor) or timestep is None:
+                return
+            if not np.ndim(timestep):
+                timestep = float(timestep)
+            else:  # one per structure
+                timestep = torch.as_tensor(
+                    np.asarray(timestep, dtype=np.float64),
+                    dtype=velocities.dtype,
+                    device=velocities.device,
+                )[self._batch_idx].unsqueeze(-1)
+            correction = (batch.positions.detach() - unconstrained) / timestep
+            velocities.add_(torch.where(self._rigid_atoms, correction, 0.0))
 
     def adjust_step_and_momenta(self, batch: Batch) -> None:
         """:meth:`adjust_step`, then ASE's ``adjust_momenta`` on the velocities."""
         self.adjust_step(batch)
         velocities = getattr(batch, "velocities", None)
-        if isinstance(velocities, torch.Tensor):
-            with torch.no_grad():
-                velocities.copy_(self._momenta(velocities.detach(), batch.cell))
+        with torch.no_grad():
+            if isinstance(velocities, torch.Tensor):
+                adjusted = self._momenta(velocities.detach(), batch.cell)
+                if self.rigid:
+                    self._rigid_velocities(adjusted, batch)
+                velocities.copy_(adjusted)
+            self._restore_forces(batch)
+
+    # -- RATTLE-type constraints (rigid.py) -------------------------------------------
+
+    def _geometry(self, batch: Batch) -> Geometry | None:
+        if not self._periodic:
+            return None
+        return Geometry(cell=batch.cell.detach(), pbc=self._pbc.to(torch.bool))
+
+    def _failed(self) -> torch.Tensor | None:
+        return None if self._guard is None else self._guard.failed
+
+    def _report(self, failed: torch.Tensor) -> None:
+        """Flag structures whose bonds did not converge (or raise without a guard)."""
+        if self._guard is not None:
+            self._guard.flag(failed, CONSTRAINTS_DID_NOT_CONVERGE)
+            return
+        if bool(failed.any()):
+            indices = torch.nonzero(failed).flatten().tolist()
+            raise RuntimeError(
+                f"images{indices}: FixBondLengths did not converge within maxiter "
+                "iterations"
+            )
+
+    def _rigid_positions(
+        self, old: torch.Tensor, new: torch.Tensor, batch: Batch
+    ) -> None:
+        geometry = self._geometry(batch)
+        if self.bonds is not None:
+            self._report(self.bonds.shake(old, new, geometry, skip=self._failed()))
+        if self.triatomics is not None:
+            self.triatomics.adjust_positions(old, new, geometry)
+
+    def _rigid_velocities(self, velocities: torch.Tensor, batch: Batch) -> None:
+        geometry = self._geometry(batch)
+        positions = batch.positions.detach()
+        if self.bonds is not None:
+            failed = self.bonds.rattle(
+                velocities,
+                positions,
+                geometry,
+                as_momenta=False,
+                masses=self._masses.squeeze(-1),
+                skip=self._failed(),
+            )
+            self._report(failed)
+        if self.triatomics is not None:
+            self.triatomics.adjust_velocities(velocities, positions, geometry)
+
+    def _rigid_forces(self, forces: torch.Tensor, batch: Batch) -> None:
+        """ASE's ``adjust_forces`` of both (optimizers)."""
+        geometry = self._geometry(batch)
+        positions = batch.positions.detach()
+        if self.bonds is not None:
+            failed = self.bonds.rattle(
+                forces,
+                positions,
+                geometry,
+                as_momenta=True,
+                masses=self._masses.squeeze(-1),
+                skip=self._failed(),
+            )
+            self._report(failed)
+        if self.triatomics is not None:
+            self.triatomics.adjust_forces(forces, positions, geometry)
+
+    def _restore_forces(self, batch: Batch) -> None:
+        """Put the model's forces back after a kick that read redistributed ones."""
+        saved = self._saved.get("forces")
+        if self.triatomics is not None and saved is not None:
+            batch.forces.copy_(saved)
 
     # -- the constraints -------------------------------------------------------------
 

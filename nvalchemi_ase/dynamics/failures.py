@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
 __all__ = [
+    "CONSTRAINTS_DID_NOT_CONVERGE",
     "FAILURE_REASONS",
     "DynamicsFailureError",
     "FailureGuard",
@@ -66,7 +67,12 @@ FAILURE_REASONS: dict[int, str] = {
     6: "the largest force exceeded max_force",
     7: "an atom moved more than max_displacement in one step",
     8: "the cell volume changed by more than max_volume_factor",
+    9: "its bond constraints (FixBondLengths) did not converge within maxiter "
+    "iterations",
 }
+
+#: Reason code of a structure whose RATTLE-type constraints did not converge.
+CONSTRAINTS_DID_NOT_CONVERGE = 9
 
 # Fields restored from the snapshot (the state the next step depends on).
 _ATOM_FIELDS = ("positions", "velocities", "forces")
@@ -278,6 +284,16 @@ class FailureGuard:
                 self._record(self._reason_codes(batch))
             if self._any_failed or not self._host_branching:
                 self._restore(batch)
+
+    def flag(self, bad: torch.Tensor, code: int) -> None:
+        """Flag structures ``bad`` [B] bool as failed for reason ``code``.
+
+        For failures found by other hooks (constraints that did not
+        converge); the structures are put back at the next check, as if the
+        guard had found them.
+        """
+        with torch.no_grad():
+            self._record(torch.where(bad, code, 0))
 
     def forget_snapshot(self) -> None:
         """Drop the snapshot before a (re-)evaluation that follows no step.

@@ -176,8 +176,9 @@ def _check_filter_options(index: int, item: Any) -> None:
 def check_constraints(atoms_list: list[Atoms]) -> None:
     """Raise unless every constraint is one the dynamics honour.
 
-    ``FixAtoms`` (nvalchemi's frozen atoms) and ``FixCartesian``, ``FixCom``
-    and ``FixSymmetry`` (:mod:`nvalchemi_ase.dynamics.constraints`).
+    ``FixAtoms`` (nvalchemi's frozen atoms) and ``FixCartesian``, ``FixCom``,
+    ``FixSymmetry``, ``FixBondLengths`` and ``FixLinearTriatomic``
+    (:mod:`nvalchemi_ase.dynamics.constraints`).
 
     Parameters
     ----------
