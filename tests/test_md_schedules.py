@@ -316,3 +316,13 @@ def test_schedule_on_a_fixed_parameter_is_refused(lj_calc64):
         Bussi(images, DT, temperature_K=300.0, taut=lambda n: 100 * units.fs)
     with pytest.raises(AttributeError):
         VelocityVerlet(images, DT).temperature_K  # noqa: B018
+
+
+def test_relax_then_scheduled_md_is_refused(lj_calc64):
+    """Each structure enters its MD at another step: a step schedule is ambiguous."""
+    from nvalchemi_ase.optimize import FIRE2
+
+    images = _structures(lj_calc64)
+    md = Langevin(images, DT, temperature_K=HEAT, friction=0.01 / units.fs)
+    with pytest.raises(ValueError, match="relax first"):
+        FIRE2(images, logfile=None) + md
