@@ -274,9 +274,11 @@ def test_attributes_and_todict_follow_the_schedule(lj_calc64):
         "steps": [0, 2 * HALF],
         "values": [300.0, 600.0],
     }
+    assert set(dyn.schedules) == {"temperature_K"}
     dyn.set_temperature(temperature_K=250.0)  # a number ends the schedule
     _run(dyn, 2)
     assert dyn.temperature_K == 250.0
+    assert dyn.schedules == {}
     assert "schedule" not in str(dyn.todict()["temperature_K"])
 
 

@@ -25,6 +25,7 @@ from nvalchemi_ase.dynamics.logs import (
     per_structure_targets,
 )
 from nvalchemi_ase.md.schedules import (
+    Schedule,
     ScheduledParameter,
     ScheduleHook,
     as_schedule,
@@ -278,6 +279,11 @@ class BatchedMolecularDynamics(BatchedDynamics):
         )
 
     # -- schedules ------------------------------------------------------------------
+
+    @property
+    def schedules(self) -> dict[str, Schedule]:
+        """Targets that follow a schedule, by argument name (empty: none)."""
+        return dict(self.__dict__.get("_schedules", {}))
 
     def _check_schedules(self) -> None:
         """Refuse a schedule for a target this class cannot change per step."""
