@@ -66,7 +66,7 @@ class Sizes:
     interval: int
 
 
-FULL = Sizes(structures=8, frames=60, steps=300, interval=5)
+FULL = Sizes(structures=8, frames=30, steps=150, interval=5)
 QUICK = Sizes(structures=2, frames=8, steps=20, interval=5)
 
 
