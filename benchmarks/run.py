@@ -804,7 +804,24 @@ BENCHMARKS = {
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
     "kappa": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "kappa"),
     "qha": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "qha"),
+    "md-analysis": lambda *a: importlib.import_module("benchmarks.md_analysis").run(*a),
 }
+
+#: Names ``--only`` takes for several benchmarks at once.
+GROUPS = {
+    # the batched workflows of #29 against their structure-by-structure loops (LJ)
+    "workflows": ["surfaces-defects", "kappa", "qha", "md-analysis"],
+}
+
+
+def expand_names(names: Sequence[str]) -> list[str]:
+    """Benchmark names with every group replaced by its members, in order, once."""
+    expanded: list[str] = []
+    for name in names:
+        for member in GROUPS.get(name, [name]):
+            if member not in expanded:
+                expanded.append(member)
+    return expanded
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -824,7 +841,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch CPU threads (default: torch's own choice)",
     )
-    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=None)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=sorted(BENCHMARKS) + sorted(GROUPS),
+        default=None,
+        help="run these benchmarks only; groups: "
+        + "; ".join(f"{group} = {' '.join(names)}" for group, names in GROUPS.items()),
+    )
     parser.add_argument(
         "--suite",
         choices=["gpu"],
@@ -862,7 +886,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_for(args.device, args.quick)
     report = Report()
     start = time.perf_counter()
-    for name in args.only or BENCHMARKS:
+    for name in expand_names(args.only) if args.only else BENCHMARKS:
         BENCHMARKS[name](settings, report)
     elapsed = time.perf_counter() - start
     text = (

@@ -91,6 +91,12 @@ class RelaxThenMD(BatchedDynamics):
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if md_steps is not None and md_steps < 1:
             raise ValueError(f"md_steps must be >= 1 or None, got {md_steps}")
+        if getattr(md, "schedules", None):
+            raise ValueError(
+                f"{type(md).__name__} follows a schedule ({', '.join(md.schedules)}), "
+                "which counts the steps of the MD, but here each structure enters "
+                "its MD at another step; relax first, then run the scheduled MD"
+            )
         self.optimizer, self.md = optimizer, md
         self.fmax, self.md_steps = float(fmax), md_steps
         self.dt = md.dt

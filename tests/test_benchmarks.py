@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.run import BENCHMARKS
+from benchmarks.run import BENCHMARKS, GROUPS, expand_names
 
 ROOT = Path(__file__).parents[1]
 # the sections a benchmark's report must hold
@@ -33,6 +33,7 @@ SECTIONS = {
     "surfaces-defects": [
         "Workflows: surface and defect energies, batched vs the ASE loop (LJ"
     ],
+    "md-analysis": ["12. MD analysis: per-structure RDF and MSD"],
 }
 # launches of similar length (each a few minutes on a loaded 2-core CPU)
 LAUNCHES = {
@@ -49,6 +50,18 @@ def test_the_launches_run_every_benchmark_once():
     launched = [name for names in LAUNCHES.values() for name in names]
     assert sorted(launched) == sorted(BENCHMARKS)
     assert set(SECTIONS) <= set(BENCHMARKS)
+
+
+def test_groups_name_benchmarks_and_expand_in_order_once():
+    for members in GROUPS.values():
+        assert set(members) <= set(BENCHMARKS)
+    assert expand_names(["qha", "workflows", "scaling"]) == [
+        "qha",
+        "surfaces-defects",
+        "kappa",
+        "md-analysis",
+        "scaling",
+    ]
 
 
 @pytest.mark.slow

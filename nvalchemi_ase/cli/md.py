@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
     from nvalchemi_ase.cli.outputs import OutputFiles
+    from nvalchemi_ase.md.schedules import PiecewiseLinear
 
 __all__ = ["CHECKPOINT_NAME", "STOPS_ON_SIGNALS", "add_arguments", "run"]
 
@@ -86,10 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--temperature",
-        type=float,
+        type=temperature_argument,
         default=300.0,
         help="target and initial temperature, K (default: 300); structures without "
-        "momenta start from a Maxwell-Boltzmann draw at it",
+        "momenta start from a Maxwell-Boltzmann draw at it (at step 0). A ramp: "
+        "START:END (K, linear over --steps, e.g. 300:1200) or STEP:K pairs "
+        "interpolated linearly (e.g. 0:300,1000:1200,2000:300)",
     )
     parser.add_argument(
         "--timestep",
@@ -174,8 +177,11 @@ def run(args: argparse.Namespace) -> int:
     )
     from nvalchemi_ase.runners import imd
 
-    if args.temperature < 0:
+    temperature = temperature_schedule(args.temperature, args.steps)
+    kelvins = args.temperature if temperature is None else temperature.table.min()
+    if kelvins < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
+    start_K = args.temperature if temperature is None else float(temperature(0))
     args.resume = args.resume or args.restart  # --restart is --resume and more
     inputs = expand_inputs(args.files)
     outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
@@ -195,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     series: dict[int, Any] | None = {} if args.plot else None
     with state.running(deferred=True):
         for _, atoms in imd(
-            _thermalized(inputs, args.temperature, args.seed),
+            _thermalized(inputs, start_K, args.seed),
             calc,
             dynamics=dynamics,
             timestep=args.timestep * units.fs,
@@ -314,26 +320,80 @@ def _thermalize(atoms: Any, temperature_K: float, rng: Any) -> None:
         )
 
 
+def temperature_argument(text: str) -> float | tuple[tuple[float, float], ...]:
+    """Argparse type of ``--temperature``: K, ``START:END`` or ``STEP:K,...``.
+
+    Returns
+    -------
+    float or tuple of (float, float)
+        A temperature, K; or the pairs given: one pair is a ramp (start K,
+        end K) over the run, several are ``(step, K)`` points.
+    """
+    if ":" not in text:
+        return float(text)
+    try:
+        pairs = tuple(
+            (float(first), float(second))
+            for first, second in (item.split(":") for item in text.split(","))
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give K, START:END (a ramp over the run, K) or STEP:K pairs "
+            "separated by commas"
+        ) from None
+    return pairs
+
+
+def temperature_schedule(value: Any, steps: int) -> PiecewiseLinear | None:
+    """``--temperature`` as a schedule (None for one temperature).
+
+    Parameters
+    ----------
+    value : float or tuple of (float, float)
+        What :func:`temperature_argument` returned.
+    steps : int
+        ``--steps``: a ``START:END`` ramp ends at the last step.
+
+    Returns
+    -------
+    PiecewiseLinear or None
+    """
+    from nvalchemi_ase.cli.common import CommandError
+    from nvalchemi_ase.md.schedules import piecewise_linear
+
+    if not isinstance(value, tuple):
+        return None
+    points = [(0, value[0][0]), (steps, value[0][1])] if len(value) == 1 else value
+    try:
+        return piecewise_linear([(int(step), kelvin) for step, kelvin in points])
+    except ValueError as error:
+        raise CommandError(f"--temperature: {error}") from None
+
+
 def _dynamics(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """Return the ``nvalchemi_ase.md`` class name and its keyword arguments."""
     from ase import units
+
+    temperature = temperature_schedule(args.temperature, args.steps)
+    if temperature is None:
+        temperature = args.temperature
 
     if args.ensemble == "nve":
         return "VelocityVerlet", {}
     if args.ensemble == "npt":
         return "IsotropicMTKNPT", {
-            "temperature_K": args.temperature,
+            "temperature_K": temperature,
             "pressure_au": args.pressure * units.GPa,
             "tdamp": args.tdamp * units.fs,
             "pdamp": args.pdamp * units.fs,
         }
     if args.thermostat == "nose-hoover":
         return "NoseHooverChainNVT", {
-            "temperature_K": args.temperature,
+            "temperature_K": temperature,
             "tdamp": args.tdamp * units.fs,
         }
     return "Langevin", {
-        "temperature_K": args.temperature,
+        "temperature_K": temperature,
         "friction": args.friction / units.fs,
         "seed": args.seed,
     }

@@ -17,6 +17,10 @@ class                      nvalchemi engine
 
 ``LangevinBAOAB``, ``Bussi``, ``NVTBerendsen`` and ``Andersen`` run batched
 engines of this package (nvalchemi 0.3 has none).
+
+Every thermostat and barostat target (``temperature_K``, ``pressure_au``,
+``externalstress``) may be a schedule: a callable of the step count or
+``(step, value)`` pairs (:func:`piecewise_linear`, :mod:`.schedules`).
 """
 
 from nvalchemi_ase.md.andersen import Andersen
@@ -30,6 +34,7 @@ from nvalchemi_ase.md.md import (
 from nvalchemi_ase.md.nosehoover import NoseHooverChainNVT
 from nvalchemi_ase.md.npt import MTKNPT, NPH, IsotropicMTKNPT
 from nvalchemi_ase.md.nvtberendsen import NVTBerendsen
+from nvalchemi_ase.md.schedules import Schedule, piecewise_linear
 from nvalchemi_ase.md.verlet import VelocityVerlet
 
 __all__ = [
@@ -43,6 +48,8 @@ __all__ = [
     "LangevinBAOAB",
     "NVTBerendsen",
     "NoseHooverChainNVT",
+    "Schedule",
     "VariableCellMolecularDynamics",
     "VelocityVerlet",
+    "piecewise_linear",
 ]

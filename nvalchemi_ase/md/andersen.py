@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ from nvalchemi_ase.md.parameters import (
     positive_timestep,
     update_engine_state,
 )
+from nvalchemi_ase.md.schedules import as_schedule
 from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import ase_time_to_fs, thermal_energy_nvalchemi
 
@@ -42,8 +43,9 @@ class Andersen(BatchedMolecularDynamics):
         Structures with their momenta.
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Bath temperature(s), K.
+    temperature_K : float, array_like (B,) or schedule
+        Bath temperature(s), K, or a schedule: a callable ``f(step)`` or
+        ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     andersen_prob : float or array_like, shape (B,)
         Collision probability per step and velocity component, in [0, 1].
     fixcm : bool
@@ -60,6 +62,8 @@ class Andersen(BatchedMolecularDynamics):
         ``trajectory``, ``logfile``, ``loginterval`` and the options of
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
+
+    _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(
         self,
@@ -92,9 +96,12 @@ class Andersen(BatchedMolecularDynamics):
 
         Parameters
         ----------
-        temperature_K : float or array_like, shape (B,)
-            New temperature(s), K.
+        temperature_K : float, array_like (B,) or schedule
+            New temperature(s), K, or a schedule followed from the next step.
         """
+        if as_schedule(temperature_K) is not None:
+            self.temperature_K = checked_numbers("temperature_K", temperature_K)
+            return
         self._per_structure("temperature_K", temperature_K)  # checked first
         self.temperature_K = temperature_K
         update_engine_state(
@@ -131,7 +138,7 @@ class Andersen(BatchedMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "temperature_K": self._described("temperature_K"),
             "andersen_prob": np.asarray(self.andersen_prob).tolist(),
             "fixcm": self.fix_com,
             "seed": self.seed,

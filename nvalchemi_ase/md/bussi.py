@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -39,8 +39,9 @@ class Bussi(BatchedMolecularDynamics):
         ASE).
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Target temperature(s), K.
+    temperature_K : float, array_like (B,) or schedule
+        Target temperature(s), K, or a schedule: a callable ``f(step)`` or
+        ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     taut : float or array_like, shape (B,)
         Thermostat time constant(s), ASE time units (``100 * ase.units.fs``).
     rng : numpy.random.Generator or RandomState, optional
@@ -51,6 +52,8 @@ class Bussi(BatchedMolecularDynamics):
         ``trajectory``, ``logfile``, ``loginterval`` and the options of
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
+
+    _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(
         self,
@@ -100,7 +103,7 @@ class Bussi(BatchedMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "temperature_K": self._described("temperature_K"),
             "taut": np.asarray(self.taut).tolist(),
             "seed": self.seed,
         }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ from nvalchemi_ase.md.parameters import (
     positive_timestep,
     update_engine_state,
 )
+from nvalchemi_ase.md.schedules import Schedule, as_schedule
 from nvalchemi_ase.typing import ImagesLike, RNGLike
 from nvalchemi_ase.units import (
     FS_PER_ASE_TIME,
@@ -44,8 +45,10 @@ class Langevin(BatchedMolecularDynamics):
         Structures with their momenta.
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Target temperature(s), K; one per structure allowed.
+    temperature_K : float, array_like (B,) or schedule
+        Target temperature(s), K; one per structure allowed; or a schedule:
+        a callable ``f(step)`` or ``(step, K)`` pairs, interpolated linearly
+        (:mod:`nvalchemi_ase.md.schedules`).
     friction : float or array_like, shape (B,)
         Friction, 1/ASE-time (``0.01 / ase.units.fs`` is 0.01 fs⁻¹); 0 gives
         velocity Verlet, as in ASE.
@@ -61,11 +64,13 @@ class Langevin(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "temperature"}
+
     def __init__(
         self,
         images: ImagesLike,
         timestep: float,
-        temperature_K: float | Sequence[float],
+        temperature_K: float | Sequence[float] | Schedule,
         friction: float | Sequence[float],
         fixcm: bool = False,
         *,
@@ -110,13 +115,17 @@ class Langevin(BatchedMolecularDynamics):
         ----------
         temperature : float or array_like, optional
             k_B T, eV (ASE's deprecated form).
-        temperature_K : float or array_like, shape (B,), optional
-            Temperature(s), K.
+        temperature_K : float, array_like (B,) or schedule, optional
+            Temperature(s), K, or a schedule (a callable of the step count,
+            ``(step, K)`` pairs; :mod:`nvalchemi_ase.md.schedules`).
         """
         if (temperature is None) == (temperature_K is None):
             raise TypeError("give exactly one of temperature (eV) and temperature_K")
         if temperature is not None:
             temperature_K = np.asarray(temperature, dtype=np.float64) / units.kB
+        if as_schedule(temperature_K) is not None:  # followed from the next step
+            self.temperature_K = checked_numbers("temperature_K", temperature_K)
+            return
         self._per_structure("temperature_K", temperature_K)  # checked first
         self.temperature_K = temperature_K
         update_engine_state(
@@ -152,7 +161,7 @@ class Langevin(BatchedMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "temperature_K": self._described("temperature_K"),
             "friction": np.asarray(self.friction).tolist(),
             "fixcm": self.fix_com,
             "seed": self.seed,

@@ -12,7 +12,7 @@ NPH, deterministic and equal to ASE's class step for step (to rounding).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,7 @@ from ase.stress import voigt_6_to_full_3x3_stress
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.md.md import VariableCellMolecularDynamics, resolve_seed
+from nvalchemi_ase.md.schedules import ScheduledParameter, as_schedule
 from nvalchemi_ase.typing import ImagesLike
 from nvalchemi_ase.units import FS_PER_ASE_TIME, ase_time_to_fs
 
@@ -41,13 +42,16 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         ``externalstress``).
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,), optional
-        Temperature(s), K; None for NVE or NPH.
+    temperature_K : float, array_like (B,) or schedule, optional
+        Temperature(s), K; None for NVE or NPH; or a schedule: a callable
+        ``f(step)`` or ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     externalstress : float or array_like, optional
         Stress the barostat holds, eV/Å³ (ASE units; *negative* compresses:
         ``-1 * ase.units.GPa`` is a pressure of 1 GPa): a scalar, a 3-vector
         (diagonal), a Voigt 6-vector or a 3×3 matrix, the same for every
         structure; only a scalar with ``hydrostatic=True``. None: fixed cell.
+        Or a schedule of scalars (a callable ``f(step)`` or ``(step, value)``
+        pairs; one value or one per structure), held as ``value * 1``.
         The mean stress held includes the kinetic (ideal-gas) part.
     hydrostatic : bool
         Keep each cell's shape; only its volume changes.
@@ -87,6 +91,12 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         As ASE stores it (a scalar when hydrostatic).
     """
 
+    externalstress = ScheduledParameter()
+    _scheduled_fields: ClassVar[dict[str, str]] = {
+        "temperature_K": "kT",
+        "externalstress": "external_stress",
+    }
+
     def __init__(
         self,
         images: ImagesLike,
@@ -105,7 +115,11 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         **kwargs: Any,
     ) -> None:
         self.hydrostatic = bool(hydrostatic)
-        self.externalstress = _external_stress(externalstress, self.hydrostatic)
+        self.externalstress = (
+            externalstress
+            if as_schedule(externalstress) is not None
+            else _external_stress(externalstress, self.hydrostatic)
+        )
         self.temperature_K = temperature_K
         self.disable_cell_langevin = bool(disable_cell_langevin)
         if isinstance(rng, int | np.integer):
@@ -148,12 +162,9 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
 
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat and barostat parameters."""
-        stress = self.externalstress
         return super().todict() | {
-            "temperature_K": None
-            if self.temperature_K is None
-            else np.asarray(self.temperature_K).tolist(),
-            "externalstress": None if stress is None else np.asarray(stress).tolist(),
+            "temperature_K": self._described("temperature_K"),
+            "externalstress": self._described("externalstress"),
             "hydrostatic": self.hydrostatic,
             "T_tau": self.T_tau,
             "P_tau": self.P_tau,
@@ -224,6 +235,8 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         barostat: dict[str, Any] = {}
         if self.externalstress is not None:
             stress = np.asarray(self.externalstress, dtype=np.float64)
+            if stress.ndim == 1:  # a schedule's value per structure: [B, 3, 3]
+                stress = stress[:, None, None] * np.eye(3)
             cell_langevin = self.temperature_K is not None and not (
                 self.disable_cell_langevin
             )

@@ -24,8 +24,14 @@ from nvalchemi_ase.dynamics.logs import (
     open_log,
     per_structure_targets,
 )
+from nvalchemi_ase.md.schedules import (
+    Schedule,
+    ScheduledParameter,
+    ScheduleHook,
+    as_schedule,
+)
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
-from nvalchemi_ase.units import temperature_K_to_nvalchemi
+from nvalchemi_ase.units import temperature_K_to_nvalchemi, thermal_energy_nvalchemi
 
 __all__ = [
     "BatchedMolecularDynamics",
@@ -72,7 +78,18 @@ class BatchedMolecularDynamics(BatchedDynamics):
     neighbor_skin, restart, restart_interval
         See :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics` (ASE's MD has
         no ``restart``; here it continues a run exactly).
+
+    Targets (``temperature_K``, ``pressure_au``, ``externalstress``) may be
+    schedules: a callable of the step count or ``(step, value)`` pairs,
+    see :mod:`nvalchemi_ase.md.schedules`.
     """
+
+    #: Targets that may follow a schedule (see :mod:`~nvalchemi_ase.md.schedules`).
+    temperature_K = ScheduledParameter()
+    pressure_au = ScheduledParameter()
+    #: Engine-state field each schedulable target of this class writes (in
+    #: subclasses, e.g. ``{"temperature_K": "kT"}``); empty: no schedules.
+    _scheduled_fields: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -91,6 +108,9 @@ class BatchedMolecularDynamics(BatchedDynamics):
             loginterval=loginterval,
             **kwargs,
         )
+        self._check_schedules()
+        if self._scheduled_fields:  # applies schedules given now or set later
+            self.engine.register_hook(ScheduleHook(self))
 
     # -- ASE API ---------------------------------------------------------------
 
@@ -258,6 +278,72 @@ class BatchedMolecularDynamics(BatchedDynamics):
             )
         )
 
+    # -- schedules ------------------------------------------------------------------
+
+    @property
+    def schedules(self) -> dict[str, Schedule]:
+        """Targets that follow a schedule, by argument name (empty: none)."""
+        return dict(self.__dict__.get("_schedules", {}))
+
+    def _check_schedules(self) -> None:
+        """Refuse a schedule for a target this class cannot change per step."""
+        for name in self.__dict__.get("_schedules", {}):
+            if name not in self._scheduled_fields:
+                raise ValueError(
+                    f"{type(self).__name__} cannot follow a schedule for {name}; "
+                    "give a number or one per structure"
+                )
+
+    def _described(self, name: str) -> Any:
+        """Describe a target for ``todict()``: its schedule, or its values."""
+        schedule = self.__dict__.get("_schedules", {}).get(name)
+        if schedule is not None:
+            return schedule.describe()
+        value = getattr(self, name)
+        return None if value is None else np.asarray(value).tolist()
+
+    def _scheduled_block(
+        self, name: str, steps: npt.NDArray[np.int64], values: npt.NDArray[np.float64]
+    ) -> torch.Tensor:
+        """Check a block of scheduled values and convert them for the engine.
+
+        Parameters
+        ----------
+        name : str
+            The target (``temperature_K``: K; ``pressure_au`` and
+            ``externalstress``: eV/Å³).
+        steps : numpy.ndarray, shape (L,)
+            The steps the values are for.
+        values : numpy.ndarray, shape (L,) or (L, B)
+            The schedule's values at ``steps``.
+
+        Returns
+        -------
+        torch.Tensor, shape [L, B]
+            Values in the engine's units (temperatures as kT, eV), on the device.
+        """
+        count = len(self.images)
+        if values.ndim == 1:
+            values = np.repeat(values[:, None], count, axis=1)
+        if values.shape[1:] != (count,):
+            raise ValueError(
+                f"the {name} schedule gives {values.shape[1]} values at step "
+                f"{int(steps[0])}; give one value or one per structure ({count})"
+            )
+        minimum = 0.0 if name == "temperature_K" else -np.inf
+        bad = ~np.isfinite(values) | (values < minimum)
+        if bad.any():
+            row, index = (int(i[0]) for i in np.nonzero(bad))
+            raise ValueError(
+                f"the {name} schedule gives {values[row, index]} for images[{index}] "
+                f"at step {int(steps[row])}; it must be finite"
+                + (" and >= 0 K" if name == "temperature_K" else "")
+            )
+        block = torch.as_tensor(values, dtype=self.setup.dtype).to(self.setup.device)
+        if name == "temperature_K":
+            return thermal_energy_nvalchemi(temperature_K_to_nvalchemi(block))
+        return block
+
     # -- shared parameter handling ---------------------------------------------
 
     def _engine_temperature(self) -> torch.Tensor:
@@ -359,6 +445,10 @@ _UNITS = {
 }
 
 
+#: Arguments that may be schedules (:mod:`nvalchemi_ase.md.schedules`).
+_SCHEDULABLE = frozenset({"temperature_K", "pressure_au", "externalstress"})
+
+
 def checked_numbers(name: str, value: Any) -> Any:
     """Type-check a scalar-or-per-structure argument at construction.
 
@@ -375,7 +465,8 @@ def checked_numbers(name: str, value: Any) -> Any:
     Returns
     -------
     Any
-        ``value`` itself.
+        ``value`` itself, or a :class:`~nvalchemi_ase.md.schedules.Schedule`
+        for a callable or ``(step, value)`` pairs.
 
     Raises
     ------
@@ -383,6 +474,9 @@ def checked_numbers(name: str, value: Any) -> Any:
         For strings, booleans and other non-numbers, naming the argument and
         its unit.
     """
+    schedule = as_schedule(value) if name in _SCHEDULABLE else None
+    if schedule is not None:
+        return schedule
     real_arguments(name, value, _UNITS.get(name, "see the docstring"))
     return value
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,8 +28,9 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
         Structures with their momenta.
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Target temperature(s), K.
+    temperature_K : float, array_like (B,) or schedule
+        Target temperature(s), K, or a schedule: a callable ``f(step)`` or
+        ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     tdamp : float or array_like, shape (B,)
         Thermostat time constant, ASE time units (ASE suggests ``100 * timestep``).
     tchain : int
@@ -41,6 +42,8 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
         ``trajectory``, ``logfile``, ``loginterval`` and the options of
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
+
+    _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "temperature"}
 
     def __init__(
         self,
@@ -68,7 +71,7 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "temperature_K": self._described("temperature_K"),
             "tdamp": np.asarray(self.tdamp).tolist(),
             "tchain": self.tchain,
         }

@@ -87,10 +87,12 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
         Bulk structures (periodic in x, y, z) with their momenta.
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Target temperature(s), K.
-    pressure_au : float or array_like, shape (B,)
-        Target pressure(s), eV/Å³ (``1 * ase.units.GPa`` = 1 GPa).
+    temperature_K : float, array_like (B,) or schedule
+        Target temperature(s), K, or a schedule: a callable ``f(step)`` or
+        ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
+    pressure_au : float, array_like (B,) or schedule
+        Target pressure(s), eV/Å³ (``1 * ase.units.GPa`` = 1 GPa), or a
+        schedule of them.
     tdamp, pdamp : float
         Thermostat and barostat time constants, ASE time units (ASE suggests
         100 and 1000 time steps).
@@ -106,6 +108,10 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
     """
 
     _pressure_coupling: ClassVar[str] = "isotropic"
+    _scheduled_fields: ClassVar[dict[str, str]] = {
+        "temperature_K": "temperature",
+        "pressure_au": "pressure",
+    }
 
     def __init__(
         self,
@@ -140,8 +146,8 @@ class IsotropicMTKNPT(VariableCellMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the ensemble parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
-            "pressure_au": np.asarray(self.pressure_au).tolist(),
+            "temperature_K": self._described("temperature_K"),
+            "pressure_au": self._described("pressure_au"),
             "tdamp": self.tdamp,
             "pdamp": self.pdamp,
             "tchain": self.tchain,
@@ -293,8 +299,9 @@ class NPH(VariableCellMolecularDynamics):
         Bulk structures with their momenta.
     timestep : float
         Time step, ASE time units.
-    pressure_au : float or array_like, shape (B,)
-        Target pressure(s), eV/Å³.
+    pressure_au : float, array_like (B,) or schedule
+        Target pressure(s), eV/Å³, or a schedule: a callable ``f(step)`` or
+        ``(step, eV/Å³)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     pdamp : float
         Barostat time constant, ASE time units.
     pressure_coupling : {"isotropic", "anisotropic", "triclinic"}
@@ -303,6 +310,8 @@ class NPH(VariableCellMolecularDynamics):
         ``trajectory``, ``logfile``, ``loginterval`` and the options of
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
+
+    _scheduled_fields: ClassVar[dict[str, str]] = {"pressure_au": "pressure"}
 
     def __init__(
         self,
@@ -326,7 +335,7 @@ class NPH(VariableCellMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE-style description plus the barostat parameters."""
         return super().todict() | {
-            "pressure_au": np.asarray(self.pressure_au).tolist(),
+            "pressure_au": self._described("pressure_au"),
             "pdamp": self.pdamp,
             "pressure_coupling": self.pressure_coupling,
         }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -30,8 +30,9 @@ class NVTBerendsen(BatchedMolecularDynamics):
         Structures with their momenta.
     timestep : float
         Time step, ASE time units.
-    temperature_K : float or array_like, shape (B,)
-        Target temperature(s), K.
+    temperature_K : float, array_like (B,) or schedule
+        Target temperature(s), K, or a schedule: a callable ``f(step)`` or
+        ``(step, K)`` pairs (:mod:`nvalchemi_ase.md.schedules`).
     taut : float or array_like, shape (B,)
         Coupling time(s), ASE time units (``100 * ase.units.fs``).
     fixcm : bool
@@ -44,6 +45,8 @@ class NVTBerendsen(BatchedMolecularDynamics):
         ``trajectory``, ``logfile``, ``loginterval`` and the options of
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
+
+    _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(
         self,
@@ -62,7 +65,7 @@ class NVTBerendsen(BatchedMolecularDynamics):
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat parameters."""
         return super().todict() | {
-            "temperature_K": np.asarray(self.temperature_K).tolist(),
+            "temperature_K": self._described("temperature_K"),
             "taut": np.asarray(self.taut).tolist(),
             "fixcm": self.fix_com,
         }
