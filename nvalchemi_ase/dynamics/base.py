@@ -37,12 +37,10 @@ from nvalchemi_ase.dynamics.checkpoint import (
     capture,
     check_matches,
     read_checkpoint,
-    restore_engine,
-    restore_structures,
     write_checkpoint,
 )
 from nvalchemi_ase.dynamics.constraints import BatchConstraints
-from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
+from nvalchemi_ase.dynamics.engine import freeze_hook
 from nvalchemi_ase.dynamics.failures import (
     DynamicsFailureError,
     FailureGuard,
@@ -67,6 +65,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
+from nvalchemi_ase.dynamics.run import BatchRun
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.typing import (
     DeviceLike,
@@ -219,12 +218,16 @@ class BatchedDynamics(AseBaseDynamics):
         self.loginterval = loginterval
         self.progress = progress_enabled(progress)
         self._bar: ProgressBar | None = None
-        self.batch: Batch = self._initial_batch()
+        batch = self._initial_batch()
         self._hook_nsteps = 0
-        self._guard = FailureGuard(
-            self.batch,
-            failure_limits or self.default_failure_limits(),
-            ase_step=lambda: self._hook_nsteps,
+        #: The working batch, its engine, failure guard and neighbour lists.
+        self.batch_run = BatchRun(
+            batch,
+            FailureGuard(
+                batch,
+                failure_limits or self.default_failure_limits(),
+                ase_step=lambda: self._hook_nsteps,
+            ),
         )
         self._failures: list[StructureFailure] = []
         self._frame_steps = np.full(len(atoms_list), -1)
@@ -232,14 +235,11 @@ class BatchedDynamics(AseBaseDynamics):
         self._cell_at_write = self.batch.cell.detach().clone()
         skin = self.default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
-        self.engine: EngineType = self.build_engine(self._builtin_hooks(skin))
+        self.batch_run.attach_engine(self.build_engine(self._builtin_hooks(skin)))
         # engines that read stress (barostats, cell filters) move cells
         self._guard.variable_cell = "stress" in self.engine_outputs()
-        self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._pending_checkpoint: Checkpoint | None = None
-        self._stress_step = -1
-        self._primed = False
         self._synced_nsteps: int | None = None
         #: True while ``run``/``irun`` calls :meth:`step` (False: the user does).
         self._run_is_stepping = False
@@ -353,6 +353,33 @@ class BatchedDynamics(AseBaseDynamics):
     def model(self) -> BaseModelMixin:
         """The nvalchemi model every structure is evaluated with."""
         return self.setup.model
+
+    @property
+    def batch(self) -> Batch:
+        """The nvalchemi ``Batch`` the engine evolves in place (graph i: images[i])."""
+        return self.batch_run.batch
+
+    @property
+    def engine(self) -> EngineType:
+        """The nvalchemi engine (``BaseDynamics``) stepping :attr:`batch`."""
+        return self.batch_run.engine
+
+    @property
+    def stress_step(self) -> int:
+        """The ASE step whose evaluation computed the batch's stress (-1: none)."""
+        return self.batch_run.stress_step
+
+    @property
+    def _guard(self) -> FailureGuard:
+        return self.batch_run.guard
+
+    @property
+    def _primed(self) -> bool:
+        return self.batch_run.primed
+
+    @_primed.setter
+    def _primed(self, value: bool) -> None:
+        self.batch_run.primed = value
 
     @property
     def failures(self) -> list[StructureFailure]:
@@ -511,7 +538,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.batch,
             results=results,
             momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
-            stress=self._stress_step == self.nsteps if stress is None else stress,
+            stress=self.stress_step == self.nsteps if stress is None else stress,
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
@@ -617,7 +644,7 @@ class BatchedDynamics(AseBaseDynamics):
         """Prepare the engine for a run; write the final state back after it."""
         self._adopt_external_changes()
         ok = stopped = False
-        self._driver.open()
+        self.batch_run.open_hooks()
         if self.progress:
             self._bar = ProgressBar(type(self).__name__, self.max_steps - self.nsteps)
         try:
@@ -630,7 +657,7 @@ class BatchedDynamics(AseBaseDynamics):
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-            self._driver.close()
+            self.batch_run.close_hooks()
             try:
                 self._finish_run(ok)
                 if (ok or stopped) and self._primed:
@@ -644,13 +671,11 @@ class BatchedDynamics(AseBaseDynamics):
         if self._primed:
             return
         self._hook_nsteps = self.nsteps
-        self.engine.check_initial_batch(self.batch)
-        self._guard.forget_snapshot()
         with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
-            self._driver.prime()
+            self.batch_run.prime()
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
-            restore_engine(self, checkpoint)
+            self.batch_run.restore_engine(checkpoint)
         self._after_priming()
         self._primed = True
         self._written_at[:] = -1  # new results: nothing is up to date
@@ -680,7 +705,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._hook_nsteps = self.nsteps + 1
         try:
             with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
-                self._driver.step()
+                self.batch_run.step()
         except RuntimeError as error:
             raise RuntimeError(
                 f"{type(self).__name__}, step {self.nsteps + 1}: {error}\n(graph i of "
@@ -694,20 +719,20 @@ class BatchedDynamics(AseBaseDynamics):
         On an error the ``Atoms`` keep their last written state.
         """
         self._adopt_external_changes()
-        opened = self._driver.open()
+        opened = self.batch_run.open_hooks()
         try:
             self._prime()
             self._step_engine()
         finally:
             if opened:
-                self._driver.close()
+                self.batch_run.close_hooks()
         self._absorb_failures(raise_now=False)
         self._write_back(
             np.ones(len(self.images), dtype=bool),
-            stress=self._stress_step == self.nsteps + 1,
+            stress=self.batch_run.stress_step == self.nsteps + 1,
         )
         # the batch's results are those of this step, not of step ``nsteps``
-        self._stress_step = -1
+        self.batch_run.stress_step = -1
         self._synced_nsteps = self.nsteps
         self._absorb_failures()
 
@@ -743,7 +768,8 @@ class BatchedDynamics(AseBaseDynamics):
             if getattr(function, "needs_stress", False)
         ):
             wanted.add("stress")
-        self._stress_step = nsteps if "stress" in wanted else self._stress_step
+        if "stress" in wanted:
+            self.batch_run.stress_step = nsteps
         return wanted & supported
 
     def _observers_due(self, nsteps: int) -> bool:
@@ -907,7 +933,9 @@ class BatchedDynamics(AseBaseDynamics):
                 f"{type(self).__name__}.write_checkpoint: nothing to checkpoint "
                 "before the first evaluation; call run() (run(0) is enough) first"
             )
-        meta, arrays = capture(self)
+        meta, arrays = capture(
+            self, self.batch_run, nsteps=self.nsteps, extras=self._checkpoint_extras()
+        )
         write_checkpoint(target, meta, arrays)
         if path is None:
             self._checkpoint_nsteps = self.nsteps
@@ -947,7 +975,12 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _continue_from(self, checkpoint: Checkpoint) -> None:
         """Take a checkpoint's state; the engine's follows at the first evaluation."""
-        restore_structures(self, checkpoint)
+        self.batch_run.restore_structures(checkpoint)
+        self._restore_checkpoint_extras(checkpoint.group("extra"))
+        self.nsteps = int(checkpoint.meta["nsteps"])
+        seed = checkpoint.meta.get("random_seed")
+        if seed is not None and hasattr(self, "seed"):
+            self.seed = int(seed)
         self._failures = self._guard.new_failures()  # known: not warned again
         update_atoms(
             self.images,
