@@ -19,6 +19,7 @@ trajectories belong to the ASE-facing classes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,15 +78,26 @@ class BatchRun:
         self.guard = guard
         self.engine: BaseDynamics = None  # type: ignore[assignment]
         self.driver: EngineDriver | None = None
+        self._neighbor_hooks: Callable[[], list[Any]] | None = None
         #: The step whose evaluation computed the batch's stress (-1: none).
         self.stress_step = -1
         #: Whether the current batch has been evaluated (priming done).
         self.primed = False
 
-    def attach_engine(self, engine: BaseDynamics) -> None:
-        """Take the engine that evolves :attr:`batch` (built with this run's hooks)."""
+    def attach_engine(
+        self,
+        engine: BaseDynamics,
+        neighbor_hooks: Callable[[], list[Any]] | None = None,
+    ) -> None:
+        """Take the engine that evolves :attr:`batch` (built with this run's hooks).
+
+        ``neighbor_hooks`` makes fresh neighbour-list hooks like the engine's
+        (:func:`~nvalchemi_ase.dynamics.neighbors.neighbor_hooks`), for
+        :meth:`resize`.
+        """
         self.engine = engine
         self.driver = EngineDriver(engine, self.batch)
+        self._neighbor_hooks = neighbor_hooks
 
     @property
     def size(self) -> int:
@@ -208,8 +220,7 @@ class BatchRun:
         for part in parts[1:]:
             new.append(part, missing_fields="fill")
         n_new = 0 if arrivals is None else int(arrivals.num_graphs)
-        hooks = self.engine.hooks
-        carry_neighbor_lists(hooks, hooks, old, kept, new)
+        self._carry_neighbor_lists_in_place(old, kept, new)
         carry_engine_state(self.engine, self.engine, kept, n_new, new)
         self.guard.resize(kept, new)
         self.batch = new
@@ -217,6 +228,20 @@ class BatchRun:
         self.driver.batch = new
         self.primed = False
         self.stress_step = -1
+
+    def _carry_neighbor_lists_in_place(
+        self, old: Batch, kept: torch.Tensor, new: Batch
+    ) -> None:
+        """Fresh neighbour-list hooks for ``new``, seeded with the kept rows."""
+        if self._neighbor_hooks is None:
+            raise RuntimeError("attach_engine(..., neighbor_hooks=) enables resize")
+        hooks = self.engine.hooks
+        previous = list(hooks)
+        fresh = iter(self._neighbor_hooks())
+        for position, hook in enumerate(hooks):
+            if is_neighbor_hook(hook):
+                hooks[position] = next(fresh)
+        carry_neighbor_lists(previous, hooks, old, kept, new)
 
     # -- capture and restore --------------------------------------------------------
 
