@@ -1,7 +1,7 @@
 """Relaxation through a refilled working batch: :func:`irelax`, :func:`relax`.
 
-See :mod:`nvalchemi_ase.runners` for the design (engines rebuilt per refill,
-state carried over) and the refill policy.
+See :mod:`nvalchemi_ase.runners` for the design (one optimizer resized in
+place at each refill) and the refill policy.
 """
 
 from __future__ import annotations
