@@ -140,3 +140,24 @@ def test_checkpoint_reads_no_private_member_of_the_dynamics_classes():
         and not node.attr.startswith("__")
     }
     assert not private
+
+
+def test_resize_is_refused_where_per_structure_hooks_are_sized_once(lj_calc64):
+    from ase.filters import FrechetCellFilter
+
+    from nvalchemi_ase.md import VelocityVerlet
+
+    def fresh():
+        atoms = rattled_bulk(2, seed=4)
+        atoms.calc = lj_calc64
+        return atoms
+
+    filtered = optimize.FIRE(FrechetCellFilter(fresh()), logfile=None)
+    md = VelocityVerlet([fresh()], 1.0)
+    downhill = optimize.FIRE(fresh(), logfile=None, downhill_check=True)
+    plain = optimize.FIRE(fresh(), logfile=None)
+    assert plain.resizable()
+    for dyn in (filtered, md, downhill):
+        assert not dyn.resizable()
+        with pytest.raises(ValueError, match="create a new object"):
+            dyn.resize([0], [fresh()])

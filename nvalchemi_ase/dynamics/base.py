@@ -168,6 +168,10 @@ class BatchedDynamics(AseBaseDynamics):
     accepts_cell_filters = False
     #: Whether the engine's velocities are physical (MD) and go to momenta.
     velocities_are_momenta = True
+    #: Engine protocol: whether the engine keeps every per-structure quantity
+    #: in nvalchemi's state (``_sync_state_to_batch`` resizes it), so that
+    #: :meth:`resize` may change the structures in place.
+    resizes_in_place = False
     #: Frames in the trajectory files when a continued run started (restart=).
     _trajectory_frames0: npt.NDArray[np.int64] | None
 
@@ -491,10 +495,13 @@ class BatchedDynamics(AseBaseDynamics):
 
         Not under a cell filter, with ASE constraints other than ``FixAtoms``,
         or with one log file per structure: their per-structure hooks and
-        files are sized at construction.
+        files are sized at construction; and only for classes whose engine
+        keeps all its per-structure state in nvalchemi's resizable state
+        (``resizes_in_place``: the optimizers).
         """
         return (
-            self.cell_filter is None
+            self.resizes_in_place
+            and self.cell_filter is None
             and not self._constraints.any
             and len(self._log_paths) <= 1
         )

@@ -71,6 +71,7 @@ class BatchedOptimizer(BatchedDynamics):
 
     accepts_cell_filters = True
     velocities_are_momenta = False
+    resizes_in_place = True
     #: Whether the engine moves ASE's filter coordinates itself (this package's
     #: FIRE, BFGS, MDMin: ASE's path, in the user's frame) rather than
     #: nvalchemi's variable-cell engines (aligned cells, options as hooks).
@@ -220,6 +221,18 @@ class BatchedOptimizer(BatchedDynamics):
         self._energy_host = grown(self._energy_host, 0.0)
         if "status" in batch:
             self._publish_status(self._converged_host | self._guard.known_mask)
+
+    def resizable(self) -> bool:
+        """Whether :meth:`resize` can work in place (not with ``downhill_check``).
+
+        Returns
+        -------
+        bool
+            See :meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.resizable`;
+            FIRE's ``downhill_check`` keeps per-atom positions outside the
+            engine's state.
+        """
+        return super().resizable() and not getattr(self, "downhill_check", False)
 
     def _prime_admitted(self, n_kept: int) -> None:
         """Evaluate the resized batch; the admitted structures' convergence at once."""
