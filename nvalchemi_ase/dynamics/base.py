@@ -17,6 +17,7 @@ structures between runs are picked up when the next run starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,12 @@ from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 
 from nvalchemi_ase import devices
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.convert import FROZEN_CATEGORY, atoms_to_batch, update_atoms
+from nvalchemi_ase.convert import (
+    FROZEN_CATEGORY,
+    atoms_to_batch,
+    check_images,
+    update_atoms,
+)
 from nvalchemi_ase.devices import DtypeLike
 from nvalchemi_ase.dynamics.checkpoint import (
     DEFAULT_RESTART_INTERVAL,
@@ -37,12 +43,10 @@ from nvalchemi_ase.dynamics.checkpoint import (
     capture,
     check_matches,
     read_checkpoint,
-    restore_engine,
-    restore_structures,
     write_checkpoint,
 )
 from nvalchemi_ase.dynamics.constraints import BatchConstraints
-from nvalchemi_ase.dynamics.engine import EngineDriver, freeze_hook
+from nvalchemi_ase.dynamics.engine import freeze_hook
 from nvalchemi_ase.dynamics.failures import (
     DynamicsFailureError,
     FailureGuard,
@@ -67,6 +71,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
+from nvalchemi_ase.dynamics.run import BatchRun, atom_rows
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.typing import (
     DeviceLike,
@@ -163,6 +168,12 @@ class BatchedDynamics(AseBaseDynamics):
     accepts_cell_filters = False
     #: Whether the engine's velocities are physical (MD) and go to momenta.
     velocities_are_momenta = True
+    #: Engine protocol: whether the engine keeps every per-structure quantity
+    #: in nvalchemi's state (``_sync_state_to_batch`` resizes it), so that
+    #: :meth:`resize` may change the structures in place.
+    resizes_in_place = False
+    #: Frames in the trajectory files when a continued run started (restart=).
+    _trajectory_frames0: npt.NDArray[np.int64] | None
 
     def __init__(
         self,
@@ -219,12 +230,16 @@ class BatchedDynamics(AseBaseDynamics):
         self.loginterval = loginterval
         self.progress = progress_enabled(progress)
         self._bar: ProgressBar | None = None
-        self.batch: Batch = self._initial_batch()
+        batch = self._initial_batch()
         self._hook_nsteps = 0
-        self._guard = FailureGuard(
-            self.batch,
-            failure_limits or self.default_failure_limits(),
-            ase_step=lambda: self._hook_nsteps,
+        #: The working batch, its engine, failure guard and neighbour lists.
+        self.batch_run = BatchRun(
+            batch,
+            FailureGuard(
+                batch,
+                failure_limits or self.default_failure_limits(),
+                ase_step=lambda: self._hook_nsteps,
+            ),
         )
         self._failures: list[StructureFailure] = []
         self._frame_steps = np.full(len(atoms_list), -1)
@@ -232,14 +247,14 @@ class BatchedDynamics(AseBaseDynamics):
         self._cell_at_write = self.batch.cell.detach().clone()
         skin = self.default_skin() if neighbor_skin is None else float(neighbor_skin)
         self.neighbor_skin = skin
-        self.engine: EngineType = self.build_engine(self._builtin_hooks(skin))
+        self.batch_run.attach_engine(
+            self.build_engine(self._builtin_hooks(skin)),
+            neighbor_hooks=lambda: neighbor_hooks(self.model, self.neighbor_skin),
+        )
         # engines that read stress (barostats, cell filters) move cells
         self._guard.variable_cell = "stress" in self.engine_outputs()
-        self._driver = EngineDriver(self.engine, self.batch)
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._pending_checkpoint: Checkpoint | None = None
-        self._stress_step = -1
-        self._primed = False
         self._synced_nsteps: int | None = None
         #: True while ``run``/``irun`` calls :meth:`step` (False: the user does).
         self._run_is_stepping = False
@@ -355,6 +370,33 @@ class BatchedDynamics(AseBaseDynamics):
         return self.setup.model
 
     @property
+    def batch(self) -> Batch:
+        """The nvalchemi ``Batch`` the engine evolves in place (graph i: images[i])."""
+        return self.batch_run.batch
+
+    @property
+    def engine(self) -> EngineType:
+        """The nvalchemi engine (``BaseDynamics``) stepping :attr:`batch`."""
+        return self.batch_run.engine
+
+    @property
+    def stress_step(self) -> int:
+        """The ASE step whose evaluation computed the batch's stress (-1: none)."""
+        return self.batch_run.stress_step
+
+    @property
+    def _guard(self) -> FailureGuard:
+        return self.batch_run.guard
+
+    @property
+    def _primed(self) -> bool:
+        return self.batch_run.primed
+
+    @_primed.setter
+    def _primed(self, value: bool) -> None:
+        self.batch_run.primed = value
+
+    @property
     def failures(self) -> list[StructureFailure]:
         """Every structure that failed so far: index, ASE step and reason (a copy)."""
         self._absorb_failures(raise_now=False)
@@ -448,6 +490,165 @@ class BatchedDynamics(AseBaseDynamics):
             self.engine.register_hook(hook)
         hook.observers.append((function, interval, args, kwargs))
 
+    def resizable(self) -> bool:
+        """Whether :meth:`resize` can change this object's structures in place.
+
+        Not under a cell filter, with ASE constraints other than ``FixAtoms``,
+        or with one log file per structure: their per-structure hooks and
+        files are sized at construction; and only for classes whose engine
+        keeps all its per-structure state in nvalchemi's resizable state
+        (``resizes_in_place``: the optimizers).
+        """
+        return (
+            self.resizes_in_place
+            and self.cell_filter is None
+            and not self._constraints.any
+            and len(self._log_paths) <= 1
+        )
+
+    def resize(
+        self,
+        keep: npt.ArrayLike,
+        images: list[Atoms],
+        *,
+        trajectories: list[Any] | None = None,
+    ) -> None:
+        """Keep the structures ``keep`` (in that order) and append ``images``, in place.
+
+        Between the steps of a run (or between runs): the structures that
+        stay go on exactly as they would have (the engine, its per-structure
+        state, neighbour lists, failure flags and velocities stay, in place,
+        see :meth:`~nvalchemi_ase.dynamics.run.BatchRun.resize`); the new ones
+        are checked, evaluated once (with the others) and start at their own
+        step 0, a frame of which goes to their trajectories. The structures
+        that leave are not written back: write them first
+        (:meth:`sync_structures`). ``nsteps`` goes on counting.
+
+        Parameters
+        ----------
+        keep : array of int
+            Indices into :attr:`images` of the structures that stay.
+        images : list of ase.Atoms
+            The structures to admit (no cell filters; ``FixAtoms`` only).
+        trajectories : list of path or Trajectory, optional
+            One per admitted structure; required when this object writes
+            trajectories.
+
+        Raises
+        ------
+        ValueError
+            If this object is not :meth:`resizable`, or an admitted structure
+            cannot be run (named by its position in ``images``).
+        """
+        if not self.resizable():
+            raise ValueError(
+                f"{type(self).__name__}.resize: structures under a cell filter, with "
+                "constraints other than FixAtoms, or with a log file each are sized "
+                "at construction; create a new object instead"
+            )
+        kept = np.asarray(keep, dtype=np.intp).reshape(-1)
+        arrivals, _, _ = (
+            resolve_images(images, allow_cell_filters=False)
+            if images
+            else ([], None, False)
+        )
+        check_constraints(arrivals)
+        names = {type(c).__name__ for atoms in arrivals for c in atoms.constraints}
+        if names - {"FixAtoms"}:
+            raise ValueError(
+                "resize admits structures with FixAtoms constraints only; create a "
+                "new object for others"
+            )
+        if arrivals:
+            check_images(arrivals, model=self.model, skin=self.neighbor_skin)
+        if bool(self.trajectories) and (
+            trajectories is None or len(trajectories) != len(arrivals)
+        ):
+            raise ValueError(
+                "this object writes trajectories: give one per admitted structure"
+            )
+        self._absorb_failures(raise_now=False)  # flags read before renumbering
+        old = self.batch
+        rows = torch.as_tensor(kept, dtype=torch.long, device=old.device)
+        at_write = (
+            self._positions_at_write.index_select(0, atom_rows(old, rows)),
+            self._cell_at_write.index_select(0, rows),
+        )
+        fresh = self._batch_of(arrivals) if arrivals else None
+        self.batch_run.resize(kept, fresh)
+        self._resize_mirror(kept, arrivals, at_write, trajectories or [])
+        self._prime_admitted(len(kept))
+
+    def _resize_mirror(
+        self,
+        kept: npt.NDArray[np.intp],
+        arrivals: list[Atoms],
+        at_write: tuple[torch.Tensor, torch.Tensor],
+        trajectories: list[Any],
+    ) -> None:
+        """Resize the per-structure host state to the batch (subclasses extend)."""
+        count = len(kept) + len(arrivals)
+        position = {int(old): new for new, old in enumerate(kept)}
+        self.images = [self.images[k] for k in kept] + list(arrivals)
+        self._failures = [
+            dataclasses.replace(failure, index=position[failure.index])
+            for failure in self._failures
+            if failure.index in position
+        ]
+
+        def grown(values: npt.NDArray[Any], fill: Any) -> npt.NDArray[Any]:
+            result = np.full(count, fill, dtype=values.dtype)
+            result[: len(kept)] = values[kept]
+            return result
+
+        self._frame_steps = grown(self._frame_steps, -1)
+        self._written_at = grown(self._written_at, -1)
+        batch = self.batch
+        with torch.no_grad():
+            self._positions_at_write = batch.positions.detach().clone()
+            self._positions_at_write[: at_write[0].shape[0]] = at_write[0]
+            self._cell_at_write = batch.cell.detach().clone()
+            self._cell_at_write[: len(kept)] = at_write[1]
+        self._written = [self._written[k] for k in kept] + [
+            _snapshot(atoms) for atoms in arrivals
+        ]
+        self._constraints_written = _constraint_state(self.images)
+        self._constraints = BatchConstraints(self.images, batch)
+        frozen = bool((batch.atom_categories == FROZEN_CATEGORY).any())
+        has_hook = any(_is_freeze_hook(hook) for hook in self.engine.hooks)
+        if frozen and not has_hook and not self._engine_freezes_atoms():
+            self.engine.register_hook(
+                freeze_hook(zero_velocities=self.velocities_are_momenta)
+            )
+        if self.trajectories:
+            self.trajectories = self.trajectories.resized(kept, trajectories)
+        self._trajectory_frames0 = (
+            self.trajectories.frame_counts()
+            if self.restart is not None and self.trajectories
+            else None
+        )
+        self._synced_nsteps = None
+
+    def _prime_admitted(self, n_kept: int) -> None:
+        """Evaluate the resized batch; write the admitted structures' first frames."""
+        admitted = np.zeros(len(self.images), dtype=bool)
+        admitted[n_kept:] = True
+        frames = (
+            admitted & self.trajectories.empty_mask()
+            if self.trajectories
+            else np.zeros_like(admitted)
+        )
+        opened = self.batch_run.open_hooks()
+        try:
+            self._prime(stress=bool(frames.any()))
+        finally:
+            if opened:
+                self.batch_run.close_hooks()
+        if frames.any():
+            self._write_back(frames)
+            self.trajectories.write(self.images, frames)
+            self._frame_steps[frames] = self.nsteps
+
     def sync_atoms(self) -> None:
         """Copy the batch's current state and results into the user's ``Atoms``.
 
@@ -511,7 +712,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.batch,
             results=results,
             momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
-            stress=self._stress_step == self.nsteps if stress is None else stress,
+            stress=self.stress_step == self.nsteps if stress is None else stress,
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
@@ -617,7 +818,7 @@ class BatchedDynamics(AseBaseDynamics):
         """Prepare the engine for a run; write the final state back after it."""
         self._adopt_external_changes()
         ok = stopped = False
-        self._driver.open()
+        self.batch_run.open_hooks()
         if self.progress:
             self._bar = ProgressBar(type(self).__name__, self.max_steps - self.nsteps)
         try:
@@ -630,7 +831,7 @@ class BatchedDynamics(AseBaseDynamics):
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-            self._driver.close()
+            self.batch_run.close_hooks()
             try:
                 self._finish_run(ok)
                 if (ok or stopped) and self._primed:
@@ -639,18 +840,23 @@ class BatchedDynamics(AseBaseDynamics):
                 # files are complete after every run, and reopened to append
                 self.trajectories.close()
 
-    def _prime(self) -> None:
-        """Evaluate the initial state once (ASE's first ``get_forces``)."""
+    def _prime(self, *, stress: bool = False) -> None:
+        """Evaluate the initial state once (ASE's first ``get_forces``).
+
+        ``stress``: compute the stress too (frames written right after).
+        """
         if self._primed:
             return
         self._hook_nsteps = self.nsteps
-        self.engine.check_initial_batch(self.batch)
-        self._guard.forget_snapshot()
-        with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
-            self._driver.prime()
+        outputs = self._outputs_at(self.nsteps)
+        if stress and "stress" in self.model.model_config.outputs:
+            outputs.add("stress")
+            self.batch_run.stress_step = self.nsteps
+        with self.model.narrowed_outputs(outputs):
+            self.batch_run.prime()
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
-            restore_engine(self, checkpoint)
+            self.batch_run.restore_engine(checkpoint)
         self._after_priming()
         self._primed = True
         self._written_at[:] = -1  # new results: nothing is up to date
@@ -680,7 +886,7 @@ class BatchedDynamics(AseBaseDynamics):
         self._hook_nsteps = self.nsteps + 1
         try:
             with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
-                self._driver.step()
+                self.batch_run.step()
         except RuntimeError as error:
             raise RuntimeError(
                 f"{type(self).__name__}, step {self.nsteps + 1}: {error}\n(graph i of "
@@ -694,20 +900,20 @@ class BatchedDynamics(AseBaseDynamics):
         On an error the ``Atoms`` keep their last written state.
         """
         self._adopt_external_changes()
-        opened = self._driver.open()
+        opened = self.batch_run.open_hooks()
         try:
             self._prime()
             self._step_engine()
         finally:
             if opened:
-                self._driver.close()
+                self.batch_run.close_hooks()
         self._absorb_failures(raise_now=False)
         self._write_back(
             np.ones(len(self.images), dtype=bool),
-            stress=self._stress_step == self.nsteps + 1,
+            stress=self.batch_run.stress_step == self.nsteps + 1,
         )
         # the batch's results are those of this step, not of step ``nsteps``
-        self._stress_step = -1
+        self.batch_run.stress_step = -1
         self._synced_nsteps = self.nsteps
         self._absorb_failures()
 
@@ -743,7 +949,8 @@ class BatchedDynamics(AseBaseDynamics):
             if getattr(function, "needs_stress", False)
         ):
             wanted.add("stress")
-        self._stress_step = nsteps if "stress" in wanted else self._stress_step
+        if "stress" in wanted:
+            self.batch_run.stress_step = nsteps
         return wanted & supported
 
     def _observers_due(self, nsteps: int) -> bool:
@@ -788,8 +995,12 @@ class BatchedDynamics(AseBaseDynamics):
     # ------------------------------------------------------------------
 
     def _initial_batch(self) -> Batch:
+        return self._batch_of(self.images)
+
+    def _batch_of(self, images: list[Atoms]) -> Batch:
+        """Build the batch of ``images`` on the run's device and dtype."""
         batch = atoms_to_batch(
-            self.images,
+            images,
             device=self.setup.device,
             dtype=self.setup.dtype,
             warn_dropped=False,
@@ -912,7 +1123,9 @@ class BatchedDynamics(AseBaseDynamics):
                 f"{type(self).__name__}.write_checkpoint: nothing to checkpoint "
                 "before the first evaluation; call run() (run(0) is enough) first"
             )
-        meta, arrays = capture(self)
+        meta, arrays = capture(
+            self, self.batch_run, nsteps=self.nsteps, extras=self._checkpoint_extras()
+        )
         write_checkpoint(target, meta, arrays)
         if path is None:
             self._checkpoint_nsteps = self.nsteps
@@ -939,7 +1152,7 @@ class BatchedDynamics(AseBaseDynamics):
         #: for a caller that must tell its checkpoints apart (the runners store
         #: the input indices of the chunk in flight); not compared on restart.
         self.checkpoint_tags: dict[str, npt.NDArray[Any]] = {}
-        self._trajectory_frames0: npt.NDArray[np.int64] | None = None
+        self._trajectory_frames0 = None
         if self.restart is None:
             return
         if checkpoint is not None:
@@ -952,7 +1165,12 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _continue_from(self, checkpoint: Checkpoint) -> None:
         """Take a checkpoint's state; the engine's follows at the first evaluation."""
-        restore_structures(self, checkpoint)
+        self.batch_run.restore_structures(checkpoint)
+        self._restore_checkpoint_extras(checkpoint.group("extra"))
+        self.nsteps = int(checkpoint.meta["nsteps"])
+        seed = checkpoint.meta.get("random_seed")
+        if seed is not None and hasattr(self, "seed"):
+            self.seed = int(seed)
         self._failures = self._guard.new_failures()  # known: not warned again
         update_atoms(
             self.images,

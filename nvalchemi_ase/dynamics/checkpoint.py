@@ -69,34 +69,30 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from ase.optimize.optimize import RestartError
 
-from nvalchemi_ase._compat import engine_state
-from nvalchemi_ase.dynamics.neighbors import (
-    is_neighbor_hook,
-    load_neighbor_state,
-    neighbor_state,
-)
-
 if TYPE_CHECKING:
-    from nvalchemi_ase.dynamics.base import BatchedDynamics
+    from ase import Atoms
 
 __all__ = [
     "DEFAULT_RESTART_INTERVAL",
     "FORMAT",
     "VERSION",
+    "Capturable",
     "Checkpoint",
     "CheckpointError",
+    "Described",
     "capture",
     "check_matches",
+    "checkpoint_fix",
+    "host_array",
+    "put_array",
     "read_checkpoint",
-    "restore_engine",
-    "restore_structures",
     "write_checkpoint",
 ]
 
@@ -159,6 +155,40 @@ class Checkpoint:
             for key, value in self.arrays.items()
             if key.startswith(start)
         }
+
+
+class Described(Protocol):
+    """What a checkpoint must match: the public face of a dynamics object."""
+
+    @property
+    def images(self) -> list[Atoms]:
+        """The structures."""
+
+    @property
+    def model(self) -> Any:
+        """The nvalchemi model."""
+
+    @property
+    def engine(self) -> Any:
+        """The nvalchemi engine."""
+
+    @property
+    def setup(self) -> Any:
+        """Model, device and dtype (``dtype`` is read)."""
+
+    @property
+    def cell_filter(self) -> Any:
+        """The cell filter's spec (``kind`` is read), or None."""
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description of the run's parameters."""
+
+
+class Capturable(Protocol):
+    """A run that gives its state as plain arrays (``BatchRun``)."""
+
+    def capture(self) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
+        """Return counters (step count, seed, stress step) and arrays."""
 
 
 # ----------------------------------------------------------------------------
@@ -266,13 +296,13 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 # ----------------------------------------------------------------------------
 
 
-def identity(dyn: BatchedDynamics) -> dict[str, Any]:
-    """Describe what a checkpoint must match to continue ``dyn``.
+def identity(owner: Described) -> dict[str, Any]:
+    """Describe what a checkpoint must match to continue ``owner``.
 
     Parameters
     ----------
-    dyn : BatchedDynamics
-        The dynamics object.
+    owner : Described
+        The ASE-facing dynamics object.
 
     Returns
     -------
@@ -281,26 +311,26 @@ def identity(dyn: BatchedDynamics) -> dict[str, Any]:
         ``model``, ``model_outputs``, ``cell_filter`` and ``parameters``
         (``todict()`` without entries that may change between runs).
     """
-    outputs = dyn.model.model_config.outputs
+    outputs = owner.model.model_config.outputs
     return {
-        "class": type(dyn).__name__,
-        "engine": type(dyn.engine).__name__,
-        "n_structures": len(dyn.images),
-        "n_atoms": [len(atoms) for atoms in dyn.images],
-        "dtype": str(dyn.setup.dtype).removeprefix("torch."),
-        "model": type(dyn.model).__name__,
+        "class": type(owner).__name__,
+        "engine": type(owner.engine).__name__,
+        "n_structures": len(owner.images),
+        "n_atoms": [len(atoms) for atoms in owner.images],
+        "dtype": str(owner.setup.dtype).removeprefix("torch."),
+        "model": type(owner.model).__name__,
         "model_outputs": sorted(str(getattr(o, "value", o)) for o in outputs),
-        "cell_filter": None if dyn.cell_filter is None else dyn.cell_filter.kind,
-        "parameters": _parameters(dyn),
+        "cell_filter": None if owner.cell_filter is None else owner.cell_filter.kind,
+        "parameters": _parameters(owner),
     }
 
 
-def check_matches(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
+def check_matches(owner: Described, checkpoint: Checkpoint) -> None:
     """Refuse a checkpoint written for other structures, another class or model.
 
     Parameters
     ----------
-    dyn : BatchedDynamics
+    owner : Described
         The object that would continue from ``checkpoint``.
     checkpoint : Checkpoint
         What :func:`read_checkpoint` returned.
@@ -311,18 +341,18 @@ def check_matches(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
         Naming the file, the first field that differs, both values and the fix.
     """
     path, meta = checkpoint.path, checkpoint.meta
-    current = identity(dyn)
+    current = identity(owner)
     for field in ("class", "engine", "n_structures", "n_atoms"):
         _same(path, field, meta.get(field), current[field])
-    numbers = np.concatenate([atoms.numbers for atoms in dyn.images])
+    numbers = np.concatenate([atoms.numbers for atoms in owner.images])
     saved_numbers = checkpoint.arrays.get("structures/atomic_numbers")
     if saved_numbers is None or not np.array_equal(saved_numbers, numbers):
-        index = _first_structure_differing(dyn, saved_numbers)
+        index = _first_structure_differing(owner, saved_numbers)
         raise CheckpointError(
             f"restart file {path}: field 'atomic_numbers' differs for images[{index}] "
             f"(the checkpoint was written for other atoms); {_FIX}"
         )
-    pbc = np.stack([atoms.pbc for atoms in dyn.images])
+    pbc = np.stack([atoms.pbc for atoms in owner.images])
     saved_pbc = checkpoint.arrays.get("structures/pbc")
     if saved_pbc is None or not np.array_equal(saved_pbc, pbc):
         raise CheckpointError(
@@ -342,13 +372,11 @@ def _same(path: Path, field: str, saved: Any, current: Any) -> None:
         )
 
 
-def _first_structure_differing(
-    dyn: BatchedDynamics, saved: npt.NDArray[Any] | None
-) -> int:
+def _first_structure_differing(owner: Described, saved: npt.NDArray[Any] | None) -> int:
     if saved is None:
         return 0
     start = 0
-    for index, atoms in enumerate(dyn.images):
+    for index, atoms in enumerate(owner.images):
         stop = start + len(atoms)
         if not np.array_equal(saved[start:stop], atoms.numbers):
             return index
@@ -356,11 +384,11 @@ def _first_structure_differing(
     return 0
 
 
-def _parameters(dyn: BatchedDynamics) -> dict[str, Any]:
-    """``dyn.todict()`` as JSON would give it back, without volatile entries."""
+def _parameters(owner: Described) -> dict[str, Any]:
+    """``owner.todict()`` as JSON would give it back, without volatile entries."""
     description = {
         key: value
-        for key, value in dyn.todict().items()
+        for key, value in owner.todict().items()
         if key not in _VOLATILE_PARAMETERS
     }
     result: dict[str, Any] = json.loads(json.dumps(description, default=_jsonable))
@@ -376,17 +404,29 @@ def _jsonable(value: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------
-# Capture and restore
+# Capture: the owner's description, the run's arrays, the owner's extras
 # ----------------------------------------------------------------------------
 
 
-def capture(dyn: BatchedDynamics) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
-    """Everything the next step of ``dyn`` depends on, for :func:`write_checkpoint`.
+def capture(
+    owner: Described,
+    run: Capturable,
+    *,
+    nsteps: int,
+    extras: dict[str, npt.NDArray[Any]],
+) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
+    """Everything the next step depends on, for :func:`write_checkpoint`.
 
     Parameters
     ----------
-    dyn : BatchedDynamics
-        A dynamics object whose engine has been primed (inside or after a run).
+    owner : Described
+        The ASE-facing object (what a continuation must match).
+    run : Capturable
+        Its primed run (:class:`~nvalchemi_ase.dynamics.run.BatchRun`).
+    nsteps : int
+        ASE's step counter.
+    extras : dict of numpy.ndarray
+        The owner's own arrays (``extra/<name>``).
 
     Returns
     -------
@@ -395,159 +435,38 @@ def capture(dyn: BatchedDynamics) -> tuple[dict[str, Any], dict[str, npt.NDArray
     arrays : dict of numpy.ndarray
         Host copies of the state (see the module docstring).
     """
-    batch = dyn.batch
+    counters, run_arrays = run.capture()
     arrays: dict[str, npt.NDArray[Any]] = {
         "structures/atomic_numbers": np.concatenate(
-            [atoms.numbers for atoms in dyn.images]
+            [atoms.numbers for atoms in owner.images]
         ),
-        "structures/pbc": np.stack([atoms.pbc for atoms in dyn.images]),
+        "structures/pbc": np.stack([atoms.pbc for atoms in owner.images]),
+        **run_arrays,
     }
-    for key in (*BATCH_FIELDS, STATUS_FIELD, *RESULT_FIELDS):
-        if key in batch:
-            arrays[f"batch/{key}"] = _host(batch[key])
-    engine_state = dyn.engine.state_dict()
-    for key, value in engine_state.get("state", {}).items():
-        arrays[f"engine/{key}"] = _host(value)
-    for key, value in dyn._guard.state().items():
-        arrays[f"failures/{key}"] = _host(value)
-    for index, hook in enumerate(_neighbor_hooks(dyn)):
-        for key, value in neighbor_state(hook).items():
-            arrays[f"neighbors/{index}/{key}"] = _host(value)
-    for key, value in dyn._checkpoint_extras().items():
+    for key, value in extras.items():
         arrays[f"extra/{key}"] = np.asarray(value)
-    seed = engine_state.get("random_seed")
-    meta = identity(dyn) | {
-        "nsteps": int(dyn.nsteps),
-        "engine_step_count": int(engine_state.get("step_count", 0)),
-        "random_seed": None if seed is None else int(seed),
-        "stress_step": int(dyn._stress_step),
+    meta = identity(owner) | {
+        "nsteps": int(nsteps),
+        **counters,
         "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": _versions(),
     }
     return meta, arrays
 
 
-def restore_structures(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
-    """Put a checkpoint's structures, counters and flags into a new ``dyn``.
-
-    The engine's own state and the model outputs follow at the first
-    evaluation (:func:`restore_engine`), once the engine has built its state.
-
-    Parameters
-    ----------
-    dyn : BatchedDynamics
-        A freshly constructed object that :func:`check_matches` accepted.
-    checkpoint : Checkpoint
-        The checkpoint.
-    """
-    batch = dyn.batch
-    saved = checkpoint.group("batch")
-    with torch.no_grad():
-        for key in BATCH_FIELDS:
-            if key not in saved:
-                raise CheckpointError(
-                    f"restart file {checkpoint.path}: field 'batch/{key}' is missing; "
-                    + _FIX
-                )
-            _put(batch, key, saved[key], checkpoint.path)
-    device = batch.device
-    dyn._guard.load_state(
-        {
-            key: torch.as_tensor(value, device=device)
-            for key, value in checkpoint.group("failures").items()
-        }
-    )
-    dyn._restore_checkpoint_extras(checkpoint.group("extra"))
-    dyn.nsteps = int(checkpoint.meta["nsteps"])
-    seed = checkpoint.meta.get("random_seed")
-    if seed is not None:
-        if hasattr(dyn, "seed"):
-            dyn.seed = int(seed)
-        if isinstance(getattr(type(dyn.engine), "random_seed", None), property):
-            dyn.engine.random_seed = int(seed)
+def checkpoint_fix() -> str:
+    """Return the fix every mismatch message ends with."""
+    return _FIX
 
 
-def restore_engine(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
-    """Give the primed engine its checkpointed state, list and model outputs.
-
-    Called once, right after the evaluation that primes the continued run
-    (which builds the engine's state and a neighbour list), before any step.
-
-    Parameters
-    ----------
-    dyn : BatchedDynamics
-        The object :func:`restore_structures` filled.
-    checkpoint : Checkpoint
-        The same checkpoint.
+def put_array(batch: Any, key: str, value: npt.NDArray[Any], path: Path) -> None:
+    """Copy a saved array into the batch field ``key`` (created if absent).
 
     Raises
     ------
     CheckpointError
-        If the engine's state has other fields or shapes than the checkpoint's.
+        If the field exists with another shape.
     """
-    batch, engine, path = dyn.batch, dyn.engine, checkpoint.path
-    saved = checkpoint.group("engine")
-    fit = getattr(engine, "fit_checkpoint_state", None)
-    if fit is not None:  # padded state: a refilled batch's may be wider
-        fit(saved)
-    live = {key: value for key, value in engine_state(engine) or ()}
-    if set(saved) != set(live):
-        raise CheckpointError(
-            f"restart file {path}: field 'engine' holds {sorted(saved)} but this "
-            f"{type(engine).__name__} holds {sorted(live)}; {_FIX}"
-        )
-    for key, value in saved.items():
-        if tuple(value.shape) != tuple(live[key].shape):
-            raise CheckpointError(
-                f"restart file {path}: engine field {key!r} has shape "
-                f"{tuple(value.shape)} in the checkpoint but "
-                f"{tuple(live[key].shape)} here (e.g. another history size); {_FIX}"
-            )
-    state: dict[str, Any] = {
-        "step_count": int(checkpoint.meta.get("engine_step_count", 0)),
-        "state": {
-            key: torch.as_tensor(value, device=batch.device).to(live[key].dtype)
-            for key, value in saved.items()
-        },
-    }
-    if checkpoint.meta.get("random_seed") is not None:
-        state["random_seed"] = int(checkpoint.meta["random_seed"])
-    engine.load_state_dict(state)
-    dyn._stress_step = int(checkpoint.meta.get("stress_step", -1))
-    results = checkpoint.group("batch")
-    with torch.no_grad():
-        if STATUS_FIELD in results:
-            _put(batch, STATUS_FIELD, results[STATUS_FIELD], path)
-        elif STATUS_FIELD in batch:
-            batch[STATUS_FIELD].zero_()
-    if not _holds(batch, results):
-        return  # the caller moved the structures since: fresh list and outputs
-    for index, hook in enumerate(_neighbor_hooks(dyn)):
-        fields = checkpoint.group(f"neighbors/{index}")
-        load_neighbor_state(
-            hook,
-            {
-                key: torch.as_tensor(value, device=batch.device)
-                for key, value in fields.items()
-            },
-            batch,
-        )
-    with torch.no_grad():
-        for key in RESULT_FIELDS:
-            if key in results and key in batch:
-                _put(batch, key, results[key], path)
-
-
-def _holds(batch: Any, saved: dict[str, npt.NDArray[Any]]) -> bool:
-    """Whether the batch still has the checkpoint's positions and cells."""
-    return all(
-        key in saved and np.array_equal(_host(batch[key]), saved[key])
-        for key in ("positions", "cell")
-    )
-
-
-def _put(batch: Any, key: str, value: npt.NDArray[Any], path: Path) -> None:
-    """Copy a saved array into the batch field ``key`` (created if absent)."""
     tensor = torch.as_tensor(value, device=batch.device)
     if key not in batch:
         batch[key] = tensor.clone()
@@ -561,11 +480,8 @@ def _put(batch: Any, key: str, value: npt.NDArray[Any], path: Path) -> None:
     target.copy_(tensor.to(target.dtype))
 
 
-def _neighbor_hooks(dyn: BatchedDynamics) -> list[Any]:
-    return [hook for hook in dyn.engine.hooks if is_neighbor_hook(hook)]
-
-
-def _host(value: torch.Tensor) -> npt.NDArray[Any]:
+def host_array(value: torch.Tensor) -> npt.NDArray[Any]:
+    """Return a host copy of ``value``."""
     return value.detach().cpu().numpy().copy()
 
 

@@ -333,6 +333,40 @@ class FailureGuard:
         self._any_failed = bool(self.failed.any())
         self._known[:] = False
 
+    def resize(self, kept: torch.Tensor, batch: Batch) -> None:
+        """Follow a batch resized in place: rows ``kept`` lead, arrivals follow.
+
+        Parameters
+        ----------
+        kept : torch.Tensor
+            Indices (long) of the structures that stay, in their new order.
+        batch : Batch
+            The resized batch; the structures after the kept ones are new
+            (no failure, their current cells the volume reference).
+        """
+        count = batch.num_graphs
+        n_kept = int(kept.numel())
+        device = self.failed.device
+        kept = kept.to(device)
+
+        def grown(old: torch.Tensor, fill: float) -> torch.Tensor:
+            fresh = torch.full((count,), fill, dtype=old.dtype, device=device)
+            fresh[:n_kept] = old.index_select(0, kept)
+            return fresh
+
+        self.failed = grown(self.failed, False)
+        self.step = grown(self.step, -1)
+        self.code = grown(self.code, 0)
+        volume0 = _volumes(batch)
+        volume0[:n_kept] = self._volume0.index_select(0, kept)
+        self._volume0 = volume0
+        known = np.zeros(count, dtype=bool)
+        known[:n_kept] = self._known[kept.cpu().numpy()]
+        self._known = known
+        self._any_failed = bool(self.failed.any())
+        self._snapshot = {}
+        self._has_snapshot = False
+
     # -- host side ----------------------------------------------------------------
 
     def new_failures(

@@ -125,7 +125,7 @@ class Recorder:
         """Virial plus ideal-gas pressure per structure, GPa (``include_ideal_gas``)."""
         batch = self.dyn.batch
         count = len(self.dyn.images)
-        if "stress" not in batch or self.dyn._stress_step != self.dyn.nsteps:
+        if "stress" not in batch or self.dyn.stress_step != self.dyn.nsteps:
             return np.full(count, np.nan)
         stress = batch.stress.detach().to(torch.float64)
         volume = torch.linalg.det(batch.cell.detach().to(torch.float64)).abs()

@@ -151,6 +151,36 @@ class TrajectorySet:
             self._writers[index] = writer
         return writer
 
+    def resized(self, keep: npt.NDArray[np.intp], spec: list[Any]) -> TrajectorySet:
+        """Return the set for structures ``keep`` of this one followed by new ones.
+
+        Parameters
+        ----------
+        keep : numpy.ndarray of int
+            The structures that stay (their targets and writers go on).
+        spec : list of path or Trajectory
+            One target per new structure (an existing file is replaced, as
+            for a new set).
+
+        Returns
+        -------
+        TrajectorySet
+            Writing frames from now on; ``written`` counts from zero.
+        """
+        new_targets = _expand(spec, len(spec)) if spec else []
+        resized = TrajectorySet(None, 0, append=True, description=self._description)
+        resized._targets = [self._targets[k] for k in keep] + new_targets
+        _check_targets(resized._targets)
+        for position, index in enumerate(keep):
+            if index in self._writers:
+                resized._writers[position] = self._writers.pop(int(index))
+        for target in new_targets:
+            if isinstance(target, Path):
+                target.unlink(missing_ok=True)
+        resized.written = np.zeros(len(resized._targets), dtype=np.int64)
+        self.close()  # the writers of structures that left
+        return resized
+
     def close(self) -> None:
         """Close the files this object opened (open Trajectory objects stay open)."""
         for index, writer in self._writers.items():

@@ -130,21 +130,24 @@ class BatchedMolecularDynamics(BatchedDynamics):
         """MD is 'converged' when the requested number of steps is done (ASE)."""
         return self.nsteps >= self.max_steps
 
-    def irun(self, steps: int = 50) -> Iterator[bool]:
+    def irun(self, steps: int = 50, *, sync_atoms: bool = True) -> Iterator[bool]:
         """Run as a generator, yielding like ASE's ``MolecularDynamics.irun``.
 
         Parameters
         ----------
         steps : int
             Number of steps.
+        sync_atoms : bool
+            True (ASE's behaviour): the structures hold the current state at
+            every yield. False: they are written only when an observer needs
+            them and when the run ends (the runners' loop).
 
         Yields
         ------
         bool
-            Whether the requested number of steps is done; the structures hold
-            the current state at every yield.
+            Whether the requested number of steps is done.
         """
-        return self._irun(steps, sync_every_step=True)
+        return self._irun(steps, sync_every_step=sync_atoms)
 
     def run(self, steps: int = 50) -> bool:
         """Run ``steps`` steps for every structure at once.

@@ -71,6 +71,7 @@ class BatchedOptimizer(BatchedDynamics):
 
     accepts_cell_filters = True
     velocities_are_momenta = False
+    resizes_in_place = True
     #: Whether the engine moves ASE's filter coordinates itself (this package's
     #: FIRE, BFGS, MDMin: ASE's path, in the user's frame) rather than
     #: nvalchemi's variable-cell engines (aligned cells, options as hooks).
@@ -191,6 +192,53 @@ class BatchedOptimizer(BatchedDynamics):
         if self.cell_filter is not None:
             self._alignment = extras["alignment"]
             self._aligned_cell0 = extras["aligned_cell0"]
+
+    def _resize_mirror(
+        self,
+        kept: npt.NDArray[np.intp],
+        arrivals: list[Any],
+        at_write: tuple[torch.Tensor, torch.Tensor],
+        trajectories: list[Any],
+    ) -> None:
+        """Resize the convergence arrays too (admitted structures: unconverged)."""
+        super()._resize_mirror(kept, arrivals, at_write, trajectories)
+        count = len(self.images)
+
+        def grown(values: npt.NDArray[Any], fill: Any) -> npt.NDArray[Any]:
+            result = np.full(count, fill, dtype=values.dtype)
+            result[: len(kept)] = values[kept]
+            return result
+
+        batch = self.batch
+        self._atom_graph = batch.batch_idx.long()
+        self._largest_force = torch.zeros(
+            count, dtype=batch.positions.dtype, device=batch.device
+        )
+        self._converged_host = grown(self._converged_host, False)
+        self._moving = grown(self._moving, True)
+        self._fmax_host = grown(self._fmax_host, np.inf)
+        self._converged_at = grown(self._converged_at, -1)
+        self._energy_host = grown(self._energy_host, 0.0)
+        if "status" in batch:
+            self._publish_status(self._converged_host | self._guard.known_mask)
+
+    def resizable(self) -> bool:
+        """Whether :meth:`resize` can work in place (not with ``downhill_check``).
+
+        Returns
+        -------
+        bool
+            See :meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.resizable`;
+            FIRE's ``downhill_check`` keeps per-atom positions outside the
+            engine's state.
+        """
+        return super().resizable() and not getattr(self, "downhill_check", False)
+
+    def _prime_admitted(self, n_kept: int) -> None:
+        """Evaluate the resized batch; the admitted structures' convergence at once."""
+        super()._prime_admitted(n_kept)
+        if self.fmax is not None:
+            self._update_convergence()
 
     # -- ASE API ---------------------------------------------------------------
 
@@ -416,7 +464,11 @@ class BatchedOptimizer(BatchedDynamics):
         super().step()
 
     def irun(
-        self, fmax: float = 0.05, steps: int = DEFAULT_MAX_STEPS
+        self,
+        fmax: float = 0.05,
+        steps: int = DEFAULT_MAX_STEPS,
+        *,
+        sync_atoms: bool = True,
     ) -> Iterator[bool]:
         """Run as a generator, yielding like ASE's ``Optimizer.irun``.
 
@@ -426,14 +478,19 @@ class BatchedOptimizer(BatchedDynamics):
             Convergence threshold on the largest force, eV/Å.
         steps : int
             Step limit.
+        sync_atoms : bool
+            True (ASE's behaviour): the structures hold the current state at
+            every yield. False: they are written only when an observer needs
+            them and when the run ends; in between read the batch
+            (``converged_mask``, ``fmax_per_structure``, ...) or write chosen
+            structures with :meth:`sync_structures` (the runners' loop).
 
         Yields
         ------
         bool
-            Whether all structures have converged; the structures hold the
-            current state at every yield.
+            Whether all structures have converged.
         """
-        return self._irun(fmax, steps, sync_every_step=True)
+        return self._irun(fmax, steps, sync_every_step=sync_atoms)
 
     def run(self, fmax: float = 0.05, steps: int = DEFAULT_MAX_STEPS) -> bool:
         """Relax every structure until its largest force is below ``fmax``.
@@ -498,6 +555,8 @@ class BatchedOptimizer(BatchedDynamics):
                 self._sync_if(sync_every_step or self._observers_due(self.nsteps))
                 self.call_observers()
                 yield self.converged()
+                # a resize between yields may have admitted structures
+                done = bool((self._converged_host | self._guard.known_mask).all())
 
     def _update_convergence(self) -> bool:
         """Freeze structures below ``fmax``; one small device-to-host transfer.

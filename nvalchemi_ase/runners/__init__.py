@@ -10,8 +10,8 @@ evaluates in consecutive chunks within the same budget, one
 ``calculate_batch`` each; :func:`imd` (:func:`md`) runs fixed-length MD in
 consecutive chunks within it.
 
-Design: engines rebuilt per refill, state carried over
-------------------------------------------------------
+Design: one run resized in place, as nvalchemi's stages resize theirs
+----------------------------------------------------------------------
 nvalchemi's own in-flight machinery (``BaseDynamics(sampler=...,
 refill_frequency=...)``, ``refill_check``) was read and not used directly:
 
@@ -22,27 +22,33 @@ refill_frequency=...)``, ``refill_check``) was read and not used directly:
 * everything this package keeps per structure next to the engine — the
   :class:`~nvalchemi_ase.dynamics.failures.FailureGuard` flags and snapshots,
   the neighbour-list hooks' reference positions and sizes, the optimizer's
-  convergence arrays, the ``Atoms`` written back — is sized on the first batch
-  and would have to be resized in step with it;
+  convergence arrays, the ``Atoms`` written back — must be resized in step
+  with the batch;
 * its samplers need a sized, indexable dataset, not a stream.
 
-What *is* nvalchemi's is the per-structure engine state: at each refill the old
-engine's ``_sync_state_to_batch(remaining, n_new, new_batch)`` — the very
-method ``refill_check`` calls — keeps the survivors' rows (FIRE's ``dt``,
+So a refill resizes the one optimizer of the run in place, between two steps
+of its ``irun``
+(:meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.resize`): its
+:class:`~nvalchemi_ase.dynamics.run.BatchRun` keeps the survivors' rows of the
+batch and appends the admitted structures' (built alone by
+:mod:`nvalchemi_ase.convert`); the engine's
+``_sync_state_to_batch(remaining, n_new, batch)`` — the very method
+``refill_check`` calls — keeps the survivors' state rows (FIRE's ``dt``,
 ``alpha`` and step counters, L-BFGS history, this package's BFGS Hessians,
 widened if needed) and appends ``_make_new_state`` rows for the admitted
-structures, and that state is handed to a freshly built optimizer of this
-package (:func:`nvalchemi_ase._compat.carry_engine_state`). The survivors'
-velocities (FIRE, FIRE2, MDMin) are copied over too. So a refill is: write the
-batch back into the working ``Atoms``, build a new
-:class:`~nvalchemi_ase.optimize.optimize.BatchedOptimizer` over survivors +
-admitted structures (failure guard included), carry the state, prime (one model
-evaluation: survivors get the forces they already had) and go on. No
+structures (:func:`nvalchemi_ase._compat.carry_engine_state`); the survivors'
+velocities, failure flags and neighbour lists stay; the optimizer resizes its
+``Atoms`` list, write-back references, trajectories and convergence arrays;
+then the batch is evaluated once (survivors get the forces they already had)
+and the run goes on. Where the optimizer cannot resize (cell filters,
+constraints other than ``FixAtoms``) a refill builds a new optimizer over
+survivors + admitted structures and carries the same state into it
+(:meth:`~nvalchemi_ase.dynamics.run.BatchRun.carry_from`). No
 structure's path depends on what else is in the batch: every engine works per
 structure, convergence and step limits are per structure, and the state a
-structure's next step reads is its own. The cost is one extra model evaluation,
-one engine and batch build and the admitted structures' neighbour lists per
-refill, so refills are batched: one happens when a structure reaches its step
+structure's next step reads is its own. The cost is one extra model evaluation and
+the admitted structures' batch and neighbour lists per refill, so refills are
+batched: one happens when a structure reaches its step
 limit (it must stop moving), when every structure in the batch has finished, or
 when the finished structures (which stay frozen in the batch until then, as in
 a plain batched run) have cost about what a refill costs and the next queued

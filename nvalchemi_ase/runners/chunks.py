@@ -537,7 +537,7 @@ class _MDChunk:
             dyn.run(remaining)
             return False
         # the generator run() uses (no write-back every step); closed at a stop
-        with contextlib.closing(dyn._irun(remaining, sync_every_step=False)) as steps:
+        with contextlib.closing(dyn.irun(remaining, sync_atoms=False)) as steps:
             for finished in steps:
                 if not finished and self.stop():
                     return True

@@ -1,7 +1,7 @@
 """Relaxation through a refilled working batch: :func:`irelax`, :func:`relax`.
 
-See :mod:`nvalchemi_ase.runners` for the design (engines rebuilt per refill,
-state carried over) and the refill policy.
+See :mod:`nvalchemi_ase.runners` for the design (one optimizer resized in
+place at each refill) and the refill policy.
 """
 
 from __future__ import annotations
@@ -443,6 +443,8 @@ class _Runner:
         self.finished = np.zeros(0, dtype=bool)
         self.opt: Any = None
         self._run: Generator[bool, None, None] | None = None
+        #: The batch was evaluated by an in-place refill (its first evaluation).
+        self._evaluated = False
         self._survivors = 0
         self._sizes = np.zeros(0, dtype=np.int64)
         self._idle = 0.0
@@ -525,13 +527,63 @@ class _Runner:
             yield slot.index, failed_atoms(slot, reason, results=None)
 
     def _rebuild(self, survivors: list[Slot], admitted: list[Slot]) -> None:
-        """Build an optimizer over survivors + admitted; carry survivors' state."""
+        """Refill the working batch: the survivors go on, the admitted join.
+
+        In place (:meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.resize`:
+        one batch, one engine, the finished structures retired) whenever the
+        optimizer allows it; otherwise (cell filters, constraints other than
+        FixAtoms) a new optimizer over the survivors and the admitted
+        structures, the survivors' run carried into it.
+        """
+        self._open_trajectories(admitted)
+        if self.series is not None:
+            for slot in admitted:
+                slot.series = []
+        keep = np.flatnonzero(~self.finished)
+        if self.opt is not None and self.opt.resizable():
+            self._resize(keep, survivors, admitted)
+        else:
+            self._rebuild_optimizer(keep, survivors, admitted)
+        self._idle = 0.0  # batches' atoms frozen since this refill, summed
+
+    def _open_trajectories(self, admitted: list[Slot]) -> None:
+        """Give each admitted structure a fresh trajectory file (it starts here)."""
+        if self.trajectory is None:
+            return
+        from ase.io.trajectory import Trajectory
+
         from nvalchemi_ase.dynamics.trajectory import expand_template
 
-        previous, keep = (
-            self.opt,
-            [position for position, done in enumerate(self.finished) if not done],
-        )
+        for slot in admitted:
+            path = Path(expand_template(self.trajectory, slot.index, "trajectory"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            slot.trajectory = Trajectory(path, "w")
+
+    def _resize(
+        self, keep: npt.NDArray[np.intp], survivors: list[Slot], admitted: list[Slot]
+    ) -> None:
+        """Retire the finished structures and admit new ones into the same run."""
+        with quiet_failures():
+            self.opt.resize(
+                keep,
+                [slot.atoms for slot in admitted],
+                trajectories=(
+                    None
+                    if self.trajectory is None
+                    else [slot.trajectory for slot in admitted]
+                ),
+            )
+        live = self._run is not None
+        self._adopt(slots=[*survivors, *admitted], survivors=len(survivors))
+        # the resize evaluated the batch: a live run's next step is a step (a
+        # new run's first yield is that evaluation, without a model call)
+        self._evaluated = live
+
+    def _rebuild_optimizer(
+        self, keep: npt.NDArray[np.intp], survivors: list[Slot], admitted: list[Slot]
+    ) -> None:
+        """Build an optimizer over survivors + admitted; carry survivors' state."""
+        previous = self.opt
         if self._run is not None:
             # survivors' positions for the new batch, which evaluates them anew;
             # the finished ones were written (with results) when they finished
@@ -539,24 +591,12 @@ class _Runner:
             self._run.close()
             self._run = None
         slots = [*survivors, *admitted]
-        for slot in slots:
-            slot.atoms.calc = self.calc
         kwargs = dict(self.optimizer_kwargs)
         if self.trajectory is not None:
-            from ase.io.trajectory import Trajectory
-
-            for slot in admitted:  # a fresh file: the structure starts here
-                path = Path(expand_template(self.trajectory, slot.index, "trajectory"))
-                path.parent.mkdir(parents=True, exist_ok=True)
-                slot.trajectory = Trajectory(path, "w")
             kwargs["trajectory"] = [slot.trajectory for slot in slots]
-        if self.series is not None:
-            for slot in admitted:
-                slot.series = []
         self._start(slots, kwargs, survivors=len(survivors))
         if previous is not None:
-            _carry_state(previous, self.opt, keep, len(admitted))
-        self._idle = 0.0  # batches' atoms frozen since this rebuild, summed
+            self.opt.batch_run.carry_from(previous.batch_run, keep, len(admitted))
 
     def _start(
         self,
@@ -579,17 +619,38 @@ class _Runner:
         ]
         with quiet_failures(), naming_inputs([slot.index for slot in slots]):
             opt = self.optimizer_class(
-                images, logfile=None, progress=False, restart=restart, **kwargs
+                images,
+                logfile=None,
+                progress=False,
+                restart=restart,
+                model=self.calc.model,
+                device=self.calc.device,
+                dtype=self.calc.dtype,
+                **kwargs,
             )
         opt.restart = None  # the runner writes its checkpoints itself
-        self.opt, self.slots = opt, slots
+        self.opt = opt
+        self._run = None
+        self._adopt(slots, survivors=survivors, finished=finished)
+
+    def _adopt(
+        self,
+        slots: list[Slot],
+        *,
+        survivors: int,
+        finished: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
+        """Take ``slots`` as the working batch; start the optimizer's run if none."""
+        self.slots = slots
         self._survivors = survivors
         self._sizes = np.array([len(slot.atoms) for slot in slots])
         self.finished = (
             np.zeros(len(slots), dtype=bool) if finished is None else finished
         )
         self.peak = max(self.peak, len(slots))
-        self._run = opt._irun(self.fmax, NO_LIMIT, sync_every_step=False)
+        self._evaluated = False
+        if self._run is None:
+            self._run = self.opt.irun(self.fmax, NO_LIMIT, sync_atoms=False)
 
     # -- checkpoint (restart=) and stop ----------------------------------------------
 
@@ -653,7 +714,6 @@ class _Runner:
         lengths = tags.get(SERIES_LENGTHS_TAG)
         rows = iter(tags.get(SERIES_TAG, np.zeros((0, 2))))
         for position, slot in enumerate(slots):
-            slot.atoms.calc = self.calc
             slot.steps = int(tags[STEPS_TAG][position])
             if lengths is not None and lengths[position] >= 0:
                 slot.series = [
@@ -691,7 +751,8 @@ class _Runner:
         while True:
             first_call = first
             with quiet_failures(), naming_inputs([s.index for s in self.slots]):
-                self._step()
+                if not (first and self._evaluated):  # a resize evaluated it
+                    self._step()
                 if first:  # the initial evaluation: step 0 of the admitted only
                     stepped = np.arange(len(self.slots)) >= self._survivors
                 else:
@@ -761,17 +822,10 @@ class _Runner:
         """Empty the neighbour lists of finished ``structures`` [B] (results read).
 
         They stay in the batch, frozen, until the next refill; without
-        neighbours the model spends next to nothing on them (an LJ step's cost
-        is in its pairs), so waiting for a refill costs less.
+        neighbours the model spends next to nothing on them, so waiting for a
+        refill costs less.
         """
-        import torch
-
-        from nvalchemi_ase.dynamics.neighbors import empty_neighbors
-
-        if structures.any():
-            empty_neighbors(
-                self.opt.engine.hooks, self.opt.batch, torch.as_tensor(structures)
-            )
+        self.opt.batch_run.empty_neighbors(structures)
 
     def _finish(
         self,
@@ -830,27 +884,6 @@ class _Discard:
 
     def close(self) -> None:
         pass
-
-
-def _carry_state(previous: Any, opt: Any, keep: list[int], n_new: int) -> None:
-    """Give ``opt`` the survivors' engine state and velocities from ``previous``."""
-    import torch
-
-    from nvalchemi_ase._compat import carry_engine_state
-    from nvalchemi_ase.dynamics.neighbors import carry_neighbor_lists
-
-    remaining = torch.as_tensor(keep, dtype=torch.long, device=previous.batch.device)
-    carry_neighbor_lists(
-        previous.engine.hooks, opt.engine.hooks, previous.batch, remaining, opt.batch
-    )
-    carry_engine_state(previous.engine, opt.engine, remaining, n_new, opt.batch)
-    if not keep:
-        return
-    pointer = previous.batch.batch_ptr.cpu().numpy()
-    rows = np.concatenate([np.arange(pointer[k], pointer[k + 1]) for k in keep])
-    index = torch.as_tensor(rows, dtype=torch.long, device=previous.batch.device)
-    with torch.no_grad():
-        opt.batch.velocities[: rows.size].copy_(previous.batch.velocities[index])
 
 
 def _default_refill_steps(model: Any) -> float:
