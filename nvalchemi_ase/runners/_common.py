@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.identity import Job
     from nvalchemi_ase.runners.budget import Budget
     from nvalchemi_ase.runners.distributed import Shard
     from nvalchemi_ase.runners.files import Sink
@@ -27,6 +28,7 @@ __all__ = [
     "NO_LIMIT",
     "PROPERTIES",
     "Admission",
+    "CountedInputs",
     "Run",
     "Slot",
     "calculator_for",
@@ -69,12 +71,15 @@ def opened_run(
     output: str | Path | None = None,
     resume: bool = False,
     failures: str | Path | None = None,
+    job: tuple[str, dict[str, Any], tuple[str, ...]] | None = None,
 ) -> Iterator[Run]:
     """Open one runner call: this process's shard, calculator, budget, output.
 
     The output is finished (shard files merged) when the block ends normally;
     on an error or an abandoned generator it is only closed, so that
-    ``resume=True`` continues from what was written.
+    ``resume=True`` continues from what was written. ``job``: the kind of
+    run, its result-determining parameters and the structure fields it
+    depends on, stored with every frame written (:mod:`nvalchemi_ase.identity`).
     """
     from nvalchemi_ase.runners.budget import Budget
     from nvalchemi_ase.runners.distributed import sharding
@@ -89,7 +94,7 @@ def opened_run(
             max_structures,
             sharers=shard.memory_sharers(calc.device),
         )
-        sink = Sink(output, resume, failures, shard)
+        sink = Sink(output, resume, failures, shard, job=job_of(calc, job, output))
         try:
             yield Run(shard, calc, budget, sink)
             sink.finish()
@@ -97,14 +102,54 @@ def opened_run(
             sink.close()
 
 
+def job_of(
+    calc: NVAlchemiCalculator,
+    job: tuple[str, dict[str, Any], tuple[str, ...]] | None,
+    output: str | Path | None,
+) -> Job | None:
+    """The identity of a runner call that writes ``output`` (None: nothing written)."""
+    if job is None or output is None:
+        return None
+    from nvalchemi_ase.identity import Job, model_digest, run_digest
+
+    kind, parameters, fields = job
+    return Job(
+        model=model_digest(calc.model, calc.dtype),
+        run=run_digest(kind, parameters),
+        fields=fields,
+    )
+
+
+class CountedInputs:
+    """An iterable of inputs that counts the structures read from it."""
+
+    def __init__(self, structures: Iterable[Atoms]) -> None:
+        self._structures = structures
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Atoms]:
+        for atoms in self._structures:
+            self.count += 1
+            yield atoms
+
+    @property
+    def source(self) -> Iterable[Atoms]:
+        """The structures as given (a list has a length for progress bars)."""
+        return self._structures
+
+
 def in_input_order(
-    results: Iterator[tuple[int, Atoms]], kwargs: dict[str, Any]
+    results: Iterator[tuple[int, Atoms]],
+    kwargs: dict[str, Any],
+    inputs: CountedInputs | None = None,
 ) -> list[Atoms]:
     """Every rank's results, with ``resume`` those read back too, by index.
 
     ``results`` is the runner's generator, not started yet: it runs inside
     this function's shard (so a process group the runners start lasts until
-    every rank has its results).
+    every rank has its results). ``inputs``: the counted inputs the runner
+    read; results read back for indices past them (an output of more inputs
+    than given) are not returned.
     """
     from nvalchemi_ase.runners.distributed import sharding
 
@@ -112,8 +157,11 @@ def in_input_order(
         found = dict(shard.gather(list(results)))
         if kwargs.get("resume") and kwargs.get("output") is not None:
             failures = kwargs.get("failures") or True
+            limit = None if inputs is None else inputs.count
             for atoms in read_results(kwargs["output"], failures=failures):
-                found.setdefault(int(atoms.info["index"]), atoms)
+                index = int(atoms.info["index"])
+                if limit is None or index < limit:
+                    found.setdefault(index, atoms)
     return [found[index] for index in sorted(found)]
 
 
@@ -300,6 +348,8 @@ def progress_bar(
     if not progress_enabled(progress) or not run.shard.is_root:
         return None
     total = NO_LIMIT
+    if isinstance(structures, CountedInputs):
+        structures = structures.source
     if isinstance(structures, Sized):
         done = sum(1 for index in run.sink.done if run.shard.owns(index))
         total = run.shard.owned_count(len(structures)) - done

@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ase import Atoms
 
+    from nvalchemi_ase.identity import Job
     from nvalchemi_ase.runners.distributed import Shard
+
+#: Frame ``info`` keys holding the job identity (:mod:`nvalchemi_ase.identity`):
+#: the structure's digests, the model's and the algorithm's.
+JOB_KEYS = ("job_input", "job_model", "job_run")
 
 
 __all__ = [
@@ -190,10 +197,16 @@ class Sink:
         resume: bool,
         failures: str | Path | None = None,
         shard: Shard | None = None,
+        job: Job | None = None,
     ) -> None:
         from nvalchemi_ase.runners.distributed import SINGLE, shard_files, shard_path
 
         self.done: set[int] = set()
+        self.job = job
+        #: index -> (file, (job_input, job_model, job_run)) of the frames found
+        self._recorded: dict[int, tuple[Path, tuple[Any, ...]]] = {}
+        #: encoded structure digests of inputs identified but not written yet
+        self._pending: dict[int, str] = {}
         self._files: dict[bool, Any] = {}
         self._shard = SINGLE if shard is None else shard
         if output is None:
@@ -221,7 +234,10 @@ class Sink:
             for failed, paths in existing.items():
                 for target in paths:
                     own = target == self._paths[failed]
-                    self.done.update(scan_frames(target, repair=own).indices)
+                    frames = scan_frames(target, repair=own)
+                    self.done.update(frames.indices)
+                    for index, job in zip(frames.indices, frames.jobs, strict=True):
+                        self._recorded.setdefault(index, (target, job))
         else:
             for paths in existing.values():
                 for target in paths:
@@ -231,6 +247,31 @@ class Sink:
                             "run, or remove it"
                         )
         self._shard.barrier()
+
+    def identify(self, indices: Sequence[int], images: Sequence[Atoms]) -> None:
+        """Digest these inputs; refuse any whose written result is another job's.
+
+        Called with each chunk of inputs before any of it is evaluated (or
+        skipped as done): the digests of those not written yet are kept for
+        :meth:`write`; those already written are compared with their frame's
+        (:func:`check_written`). Nothing happens without ``output``.
+
+        Raises
+        ------
+        JobMismatchError
+            Naming the input index, the field that differs and how to start afresh.
+        """
+        if not self._paths or self.job is None or not len(indices):
+            return
+        from nvalchemi_ase.identity import encode, structure_digests
+
+        digests = structure_digests(images, self.job.fields)
+        for index, row in zip(indices, digests, strict=True):
+            recorded = self._recorded.get(int(index))
+            if recorded is None:
+                self._pending[int(index)] = encode(row)
+            else:
+                check_written(recorded[0], int(index), recorded[1], row, self.job)
 
     def write(self, atoms: Atoms) -> None:
         """Append one result (failures to the failures file) and flush."""
@@ -251,6 +292,14 @@ class Sink:
         frame.calc = atoms.calc
         if frame.info.get("failure") is None:
             frame.info.pop("failure", None)
+        for key in JOB_KEYS:
+            frame.info.pop(key, None)  # an input that is an earlier run's output
+        if self.job is not None:
+            digest = self._pending.pop(int(frame.info["index"]), None)
+            if digest is not None:
+                frame.info["job_input"] = digest
+            frame.info["job_model"] = self.job.model
+            frame.info["job_run"] = self.job.run
         write(text, frame, format="extxyz")
         handle.write(text.getvalue())  # one write per frame
         handle.flush()
@@ -280,6 +329,7 @@ class Frames:
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) bytes
     indices: list[int] = field(default_factory=list)
     sources: list[Any] = field(default_factory=list)  # info["source"] or None
+    jobs: list[tuple[Any, ...]] = field(default_factory=list)  # info[JOB_KEYS]
     damaged: bool = False  # bytes after the last complete frame
 
 
@@ -319,6 +369,7 @@ def scan_frames(path: Path, *, repair: bool = False) -> Frames:
             frames.spans.append((end, handle.tell()))
             frames.indices.append(int(info["index"]))
             frames.sources.append(info.get("source"))
+            frames.jobs.append(tuple(info.get(key) for key in JOB_KEYS))
             end = handle.tell()
     frames.damaged = end < size
     if frames.damaged and repair:
@@ -332,4 +383,79 @@ def read_frames(path: Path) -> list[Atoms]:
 
     if not path.exists() or path.stat().st_size == 0:
         return []
-    return list(iread(path, index=":", format="extxyz"))
+    frames = list(iread(path, index=":", format="extxyz"))
+    for atoms in frames:
+        for key in JOB_KEYS:
+            atoms.info.pop(key, None)
+    return frames
+
+
+def check_written(
+    path: Path, index: int, saved: tuple[Any, ...], digests: Any, job: Job
+) -> None:
+    """Refuse a written result of input ``index`` that another job computed.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        The file holding the frame.
+    index : int
+        Its input index.
+    saved : tuple
+        The frame's ``job_input``, ``job_model`` and ``job_run`` (None each
+        when the file predates job identities: not compared).
+    digests : numpy.ndarray
+        This run's digests of ``inputs[index]`` (:attr:`Job.fields`).
+    job : Job
+        This run's model and algorithm.
+
+    Raises
+    ------
+    JobMismatchError
+        Naming the file, the input index, what differs and the fix.
+    """
+    from nvalchemi_ase.identity import (
+        JobMismatchError,
+        decode,
+        differing_fields,
+        model_difference,
+    )
+
+    fix = (
+        "resume with the inputs, model and parameters of the run that wrote it, "
+        f"or start afresh: give another output path or remove {path} (on the "
+        "command line: --overwrite)"
+    )
+    saved_input, saved_model, saved_run = saved
+    if saved_model is not None and str(saved_model) != job.model:
+        what = model_difference(str(saved_model), job.model)
+        raise JobMismatchError(
+            f"{path} holds the result of input {index} computed with another model "
+            f"(differing in {what}: {saved_model} there, {job.model} here); {fix}",
+            index=index,
+            field="model",
+        )
+    if saved_run is not None and str(saved_run) != job.run:
+        raise JobMismatchError(
+            f"{path} holds the result of input {index} computed by another run "
+            f"({saved_run} there, {job.run} here: another algorithm or other "
+            f"parameters, e.g. fmax, steps, timestep, temperature); {fix}",
+            index=index,
+            field="run",
+        )
+    stored = decode(saved_input)
+    if saved_input is None:
+        return
+    fields = (
+        differing_fields(stored, digests, job.fields)
+        if stored is not None
+        else ["job_input"]
+    )
+    if fields:
+        raise JobMismatchError(
+            f"{path} holds the result of input {index} computed for another "
+            f"structure: inputs[{index}] differs from it in "
+            f"{', '.join(repr(f) for f in fields)}; {fix}",
+            index=index,
+            field=fields[0],
+        )

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from nvalchemi_ase.identity import STRUCTURE_FIELDS
 from nvalchemi_ase.runners._common import (
     NO_LIMIT,
     Admission,
+    CountedInputs,
     Run,
     Slot,
     checked_properties,
@@ -224,6 +226,17 @@ def irelax(
         output=output,
         resume=resume or checkpoint_exists(restart),
         failures=failures,
+        job=(
+            "relax",
+            {
+                "optimizer": optimizer_class.__name__,
+                "fmax": fmax,
+                "steps": steps,
+                "cell_filter": cell_filter,
+                **optimizer_kwargs,
+            },
+            STRUCTURE_FIELDS,
+        ),
     ) as run:
         checkpoint = (
             None
@@ -264,7 +277,7 @@ def _relaxed(
     """Run the working batch over this rank's structures, writing each result."""
     skin = relaxation.optimizer_kwargs.get("neighbor_skin")
     queue = _Queue(
-        run.shard.numbered(structures),
+        _identified(run.shard.numbered(structures), run.sink),
         run.sink.done,
         run.budget,
         Admission(run.calc.model, skin),
@@ -288,6 +301,15 @@ def _relaxed(
             bar.close()
 
 
+def _identified(
+    numbered: Iterable[tuple[int, Atoms]], sink: Any
+) -> Iterator[tuple[int, Atoms]]:
+    """The inputs, each checked against its written result (``Sink.identify``)."""
+    for index, atoms in numbered:
+        sink.identify([index], [atoms])
+        yield index, atoms
+
+
 def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
     """Relax many structures (see :func:`irelax`); results in input order.
 
@@ -309,7 +331,8 @@ def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]
     """
     if checkpoint_exists(kwargs.get("restart")):
         kwargs["resume"] = True  # as irelax() implies
-    return in_input_order(irelax(structures, model, **kwargs), kwargs)
+    inputs = CountedInputs(structures)
+    return in_input_order(irelax(inputs, model, **kwargs), kwargs, inputs)
 
 
 class _Queue:
