@@ -52,6 +52,7 @@ __all__ = [
     "decode",
     "differing_fields",
     "encode",
+    "first_difference",
     "inputs_checked_by_caller",
     "inputs_checked_here",
     "model_digest",
@@ -136,7 +137,7 @@ def _segment_hash(
 
 
 def _words(array: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
-    """The bits of a float64/int64 array as 64-bit words, flattened."""
+    """Return the bits of a float64/int64 array as 64-bit words, flattened."""
     return np.ascontiguousarray(array).reshape(-1).view(np.uint64)
 
 
@@ -257,12 +258,35 @@ def decode(text: Any) -> npt.NDArray[np.uint64] | None:
 
 
 def differing_fields(
-    saved: npt.NDArray[np.uint64], current: npt.NDArray[np.uint64], fields: Sequence[str]
+    saved: npt.NDArray[np.uint64],
+    current: npt.NDArray[np.uint64],
+    fields: Sequence[str],
 ) -> list[str]:
-    """The names of the fields whose digests differ (all when the widths differ)."""
+    """Return the names of the fields whose digests differ (all: other widths)."""
     if saved.shape != current.shape:
         return list(fields)
     return [name for name, a, b in zip(fields, saved, current, strict=True) if a != b]
+
+
+def first_difference(
+    saved: npt.NDArray[np.uint64],
+    current: npt.NDArray[np.uint64],
+    fields: Sequence[str] = STRUCTURE_FIELDS,
+) -> tuple[int, list[str]] | None:
+    """Return the first row of ``current`` whose digests differ from ``saved``, and how.
+
+    Returns
+    -------
+    tuple of (int, list of str) or None
+        The row and the names of its differing fields; None when all agree.
+    """
+    if saved.shape != current.shape:
+        return 0, list(fields)
+    rows = np.flatnonzero((saved != current).any(axis=1))
+    if not rows.size:
+        return None
+    row = int(rows[0])
+    return row, differing_fields(saved[row], current[row], fields)
 
 
 # ----------------------------------------------------------------------------
@@ -273,7 +297,7 @@ _WEIGHTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def _plain(value: Any) -> Any:
-    """A JSON stand-in that does not depend on where an object lives in memory."""
+    """Return a JSON stand-in that does not depend on memory addresses."""
     if isinstance(value, np.ndarray | np.generic):
         return value.tolist()
     if isinstance(value, type):
@@ -286,8 +310,10 @@ def _plain(value: Any) -> Any:
 
 
 def _scalar_attributes(model: Any) -> list[Any]:
-    """Every (sub)module's type and public scalar attributes, in module order."""
-    modules = model.named_modules() if hasattr(model, "named_modules") else [("", model)]
+    """Return every (sub)module's type and public scalar attributes, in module order."""
+    modules = (
+        model.named_modules() if hasattr(model, "named_modules") else [("", model)]
+    )
     found = []
     for name, module in modules:
         scalars = {
@@ -302,7 +328,7 @@ def _scalar_attributes(model: Any) -> list[Any]:
 
 
 def weights_digest(model: Any) -> str:
-    """A digest of every ``state_dict`` tensor (name, dtype, shape, bytes); cached."""
+    """Return a digest of every ``state_dict`` tensor (name, dtype, shape, data)."""
     with contextlib.suppress(TypeError):
         cached = _WEIGHTS.get(model)
         if cached is not None:

@@ -59,6 +59,7 @@ from nvalchemi_ase.dynamics.images import (
     resolve_images,
     resolve_model_setup,
 )
+from nvalchemi_ase.dynamics.job import start_job
 from nvalchemi_ase.dynamics.logs import internal, log_paths
 from nvalchemi_ase.dynamics.neighbors import is_neighbor_hook, neighbor_hooks
 from nvalchemi_ase.dynamics.observers import (
@@ -935,11 +936,15 @@ class BatchedDynamics(AseBaseDynamics):
         #: the input indices of the chunk in flight); not compared on restart.
         self.checkpoint_tags: dict[str, npt.NDArray[Any]] = {}
         self._trajectory_frames0: npt.NDArray[np.int64] | None = None
+        #: Digests of the structures the run started from (``dynamics.job``).
+        self._job_inputs: npt.NDArray[np.uint64] | None = None
         if self.restart is None:
             return
         if checkpoint is not None:
             check_matches(self, checkpoint)
             self._continue_from(checkpoint)
+        # hook: the job identity its checkpoints carry (the checkpoint's, if any)
+        start_job(self, None if checkpoint is None else checkpoint.job_inputs)
         if self.trajectories:
             # frames already in the files (appending), for the checkpoint's count
             self._trajectory_frames0 = self.trajectories.frame_counts()

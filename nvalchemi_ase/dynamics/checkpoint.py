@@ -77,6 +77,7 @@ import torch
 from ase.optimize.optimize import RestartError
 
 from nvalchemi_ase._compat import engine_state
+from nvalchemi_ase.dynamics.job import IDENTITY_ARRAY, job_entries, job_mismatch
 from nvalchemi_ase.dynamics.neighbors import (
     is_neighbor_hook,
     load_neighbor_state,
@@ -150,6 +151,11 @@ class Checkpoint:
     path: Path
     meta: dict[str, Any]
     arrays: dict[str, npt.NDArray[Any]]
+
+    @property
+    def job_inputs(self) -> npt.NDArray[np.uint64] | None:
+        """Digests of the structures the run started from (None: an older file)."""
+        return self.arrays.get(IDENTITY_ARRAY)
 
     def group(self, prefix: str) -> dict[str, npt.NDArray[Any]]:
         """Return the entries under ``prefix/``, keyed by the rest of their name."""
@@ -231,7 +237,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             if not isinstance(data, np.lib.npyio.NpzFile):
                 raise ValueError("a single .npy array, not an .npz archive")
             with data:
+                _check_declared_sizes(path, data)  # hook: before any allocation
                 arrays = {key: data[key] for key in data.files}
+    except CheckpointError:
+        raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as error:
         raise CheckpointError(
             f"Could not decode restart file {path}: it cannot be read as an "
@@ -259,6 +268,38 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             "or start afresh"
         )
     return Checkpoint(path=path, meta=meta, arrays=arrays)
+
+
+def _check_declared_sizes(path: Path, data: Any) -> None:
+    """Refuse an entry declaring more bytes than the file holds for it.
+
+    Each ``.npy`` header states a shape and dtype; an array is allocated from
+    them before its bytes are read, so a damaged or forged header could ask
+    for any amount of memory. The zip directory gives every entry's size:
+    an array can never be larger.
+    """
+    from numpy.lib import format as npy
+
+    for key in data.files:
+        name = key if key.endswith(".npy") else f"{key}.npy"
+        try:
+            stored = data.zip.getinfo(name).file_size
+        except KeyError:
+            continue
+        with data.zip.open(name) as entry:
+            version = npy.read_magic(entry)
+            if version == (1, 0):
+                shape, _, dtype = npy.read_array_header_1_0(entry)
+            else:
+                shape, _, dtype = npy.read_array_header_2_0(entry)
+        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if declared > stored:
+            raise CheckpointError(
+                f"restart file {path}: field {key!r} declares shape {tuple(shape)} "
+                f"({declared:.3g} bytes) but the file holds {stored} bytes for it; "
+                "the file is damaged or was not written by nvalchemi_ase. Remove it "
+                "(or give another restart path) to start afresh"
+            )
 
 
 # ----------------------------------------------------------------------------
@@ -332,6 +373,9 @@ def check_matches(dyn: BatchedDynamics, checkpoint: Checkpoint) -> None:
         )
     for field in ("dtype", "model", "model_outputs", "cell_filter", "parameters"):
         _same(path, field, meta.get(field), current[field])
+    mismatch = job_mismatch(dyn, meta, checkpoint.arrays)  # hook: job identity
+    if mismatch is not None:
+        raise CheckpointError(f"restart file {path}: {mismatch}; {_FIX}")
 
 
 def _same(path: Path, field: str, saved: Any, current: Any) -> None:
@@ -415,15 +459,23 @@ def capture(dyn: BatchedDynamics) -> tuple[dict[str, Any], dict[str, npt.NDArray
             arrays[f"neighbors/{index}/{key}"] = _host(value)
     for key, value in dyn._checkpoint_extras().items():
         arrays[f"extra/{key}"] = np.asarray(value)
+    job_meta, job_arrays = job_entries(dyn)  # hook: job identity
+    arrays |= job_arrays
     seed = engine_state.get("random_seed")
-    meta = identity(dyn) | {
-        "nsteps": int(dyn.nsteps),
-        "engine_step_count": int(engine_state.get("step_count", 0)),
-        "random_seed": None if seed is None else int(seed),
-        "stress_step": int(dyn._stress_step),
-        "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": _versions(),
-    }
+    meta = (
+        identity(dyn)
+        | job_meta
+        | {
+            "nsteps": int(dyn.nsteps),
+            "engine_step_count": int(engine_state.get("step_count", 0)),
+            "random_seed": None if seed is None else int(seed),
+            "stress_step": int(dyn._stress_step),
+            "written": datetime.datetime.now(datetime.UTC).isoformat(
+                timespec="seconds"
+            ),
+            "versions": _versions(),
+        }
+    )
     return meta, arrays
 
 

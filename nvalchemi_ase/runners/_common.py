@@ -107,7 +107,7 @@ def job_of(
     job: tuple[str, dict[str, Any], tuple[str, ...]] | None,
     output: str | Path | None,
 ) -> Job | None:
-    """The identity of a runner call that writes ``output`` (None: nothing written)."""
+    """Return the identity of a runner call writing ``output`` (or None)."""
     if job is None or output is None:
         return None
     from nvalchemi_ase.identity import Job, model_digest, run_digest
@@ -175,6 +175,7 @@ class Slot:
     steps: int = 0
     trajectory: Any = None  # its open ase Trajectory, while in flight
     series: list[tuple[float, float]] | None = None  # (E/atom, fmax) per step
+    identity: npt.NDArray[np.uint64] | None = None  # digests of the input as given
 
 
 class Admission:

@@ -125,6 +125,11 @@ def sort_output(path: str | Path) -> None:
     frames = scan_frames(target)
     if frames.damaged:
         raise ValueError(f"{target}: the last frame is cut off; cannot sort it")
+    if frames.broken:
+        raise ValueError(
+            f"{target}: frame {frames.broken[0][0]} is damaged; cannot sort it "
+            "(resume the run to set it aside and compute it again)"
+        )
     if frames.indices == sorted(frames.indices):
         return
     _write_in_input_order(target, [(target, frames)])
@@ -236,8 +241,8 @@ class Sink:
                     own = target == self._paths[failed]
                     frames = scan_frames(target, repair=own)
                     self.done.update(frames.indices)
-                    for index, job in zip(frames.indices, frames.jobs, strict=True):
-                        self._recorded.setdefault(index, (target, job))
+                    for index, saved in zip(frames.indices, frames.jobs, strict=True):
+                        self._recorded.setdefault(index, (target, saved))
         else:
             for paths in existing.values():
                 for target in paths:
@@ -331,50 +336,157 @@ class Frames:
     sources: list[Any] = field(default_factory=list)  # info["source"] or None
     jobs: list[tuple[Any, ...]] = field(default_factory=list)  # info[JOB_KEYS]
     damaged: bool = False  # bytes after the last complete frame
+    #: (frame number, start, end) of damaged frames followed by complete ones
+    broken: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def scan_frames(path: Path, *, repair: bool = False) -> Frames:
     """Find the complete frames of an output file without parsing structures.
 
-    A frame is complete when its atom-count line, its comment line and one
-    line per atom are all there, each ended by a newline; only the comment is
-    parsed (for ``index``). ``repair`` cuts the file after the last complete
-    frame: what follows is a frame an interrupted write left unfinished.
-    """
-    from ase.io.extxyz import key_val_str_to_dict
+    A frame is complete when its atom-count line, its comment line (with
+    ``index``) and one line per atom are all there, each ended by a newline,
+    and the atom lines hold as many fields as the comment's ``Properties``
+    declare; only the comment is parsed. A frame that is not complete but is
+    followed by complete ones is *damaged* (:attr:`Frames.broken`, by frame
+    number); one at the end is a frame an interrupted write left unfinished
+    (:attr:`Frames.damaged`).
 
+    ``repair`` makes the file hold only its complete frames: a cut-off end is
+    cut; damaged frames are moved (bytes kept) to ``<name>.damaged`` next to
+    it, with a warning naming each frame number, so that their structures are
+    computed again while every complete frame after them is kept.
+    """
     frames = Frames()
     if not path.exists():
         return frames
     size = path.stat().st_size
-    end = 0
+    position = 0
     with path.open("rb") as handle:
-        while end < size:
-            header = handle.readline()
-            comment = handle.readline()
-            try:
-                natoms = int(header)
-            except ValueError:
-                break
-            if not (header.endswith(b"\n") and comment.endswith(b"\n")):
-                break
-            if not all(handle.readline().endswith(b"\n") for _ in range(natoms)):
-                break
-            info = key_val_str_to_dict(comment.decode())
-            if "index" not in info:
-                raise ValueError(
-                    f"{path}: frame {len(frames.indices)} has no index; it is not "
-                    "the output of a nvalchemi_ase runner"
-                )
-            frames.spans.append((end, handle.tell()))
-            frames.indices.append(int(info["index"]))
-            frames.sources.append(info.get("source"))
-            frames.jobs.append(tuple(info.get(key) for key in JOB_KEYS))
-            end = handle.tell()
-    frames.damaged = end < size
-    if frames.damaged and repair:
-        os.truncate(path, end)
+        while position < size:
+            found = _frame_at(handle, position, path, first=not frames.spans)
+            if found is not None:
+                end, info = found
+                frames.spans.append((position, end))
+                frames.indices.append(int(info["index"]))
+                frames.sources.append(info.get("source"))
+                frames.jobs.append(tuple(info.get(key) for key in JOB_KEYS))
+                position = end
+                continue
+            following = _next_frame(handle, position, path)
+            if following is None:
+                break  # the end was cut off mid-write
+            number = len(frames.spans) + len(frames.broken)
+            frames.broken.append((number, position, following))
+            position = following
+    frames.damaged = position < size
+    if repair and frames.broken:
+        _set_aside(path, frames)
+        frames.damaged = False
+    elif frames.damaged and repair:
+        os.truncate(path, position)
     return frames
+
+
+def _frame_at(
+    handle: Any, position: int, path: Path, *, first: bool
+) -> tuple[int, dict[str, Any]] | None:
+    """(end, comment info) of the complete frame at ``position``, or None."""
+    from ase.io.extxyz import key_val_str_to_dict
+
+    handle.seek(position)
+    header = handle.readline()
+    comment = handle.readline()
+    try:
+        natoms = int(header)
+    except ValueError:
+        return None
+    if natoms < 0 or not (header.endswith(b"\n") and comment.endswith(b"\n")):
+        return None
+    try:
+        info = key_val_str_to_dict(comment.decode())
+    except (ValueError, UnicodeDecodeError, IndexError):
+        return None
+    if "index" not in info:
+        if first:
+            raise ValueError(
+                f"{path}: frame 0 has no index; it is not the output of a "
+                "nvalchemi_ase runner"
+            )
+        return None
+    lines = [handle.readline() for _ in range(natoms)]
+    if not all(line.endswith(b"\n") for line in lines):
+        return None
+    width = _columns(info.get("Properties"))
+    if width is not None and len(b"".join(lines).split()) != natoms * width:
+        return None
+    try:
+        int(info["index"])
+    except (TypeError, ValueError):
+        return None
+    return handle.tell(), info
+
+
+def _columns(properties: Any) -> int | None:
+    """Fields per atom line declared by an extxyz ``Properties`` string."""
+    if not isinstance(properties, str):
+        return None
+    parts = properties.split(":")
+    try:
+        return sum(int(count) for count in parts[2::3])
+    except ValueError:
+        return None
+
+
+def _next_frame(handle: Any, position: int, path: Path) -> int | None:
+    """Start of the next complete frame after a damaged one at ``position``."""
+    handle.seek(position)
+    handle.readline()
+    while True:
+        start = handle.tell()
+        line = handle.readline()
+        if not line:
+            return None
+        if line.strip().isdigit():
+            if _frame_at(handle, start, path, first=False) is not None:
+                return start
+            handle.seek(start)
+            handle.readline()
+
+
+def _set_aside(path: Path, frames: Frames) -> None:
+    """Keep only the complete frames of ``path``; damaged ones go to ``.damaged``."""
+    import re
+    import warnings
+
+    aside = path.with_name(path.name + ".damaged")
+    staged = path.with_name(path.name + ".repairing")
+    with path.open("rb") as source:
+        with aside.open("ab") as damaged:
+            for number, start, end in frames.broken:
+                source.seek(start)
+                text = source.read(end - start)
+                damaged.write(text)
+                found = re.search(rb"\bindex=(\d+)", text)
+                which = f" (input {int(found.group(1))})" if found is not None else ""
+                warnings.warn(
+                    f"{path}: frame {number}{which} is damaged; its bytes were moved "
+                    f"to {aside} and its structure is computed again (the "
+                    "complete frames after it are kept)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        with staged.open("wb") as kept:
+            for start, end in frames.spans:
+                source.seek(start)
+                kept.write(source.read(end - start))
+            kept.flush()
+            os.fsync(kept.fileno())
+    os.replace(staged, path)
+    position = 0
+    for k, (start, end) in enumerate(frames.spans):
+        frames.spans[k] = (position, position + end - start)
+        position += end - start
+    frames.broken = []
 
 
 def read_frames(path: Path) -> list[Atoms]:
