@@ -64,7 +64,7 @@ __all__ = [
 VERSION = "v1"
 #: What a single point or a relaxation depends on, per structure.
 STRUCTURE_FIELDS = (
-    "numbers",
+    "atomic_numbers",
     "positions",
     "cell",
     "pbc",
@@ -144,7 +144,7 @@ def _words(array: npt.NDArray[Any]) -> npt.NDArray[np.uint64]:
 def _per_atom(
     images: Sequence[Atoms], field: str, counts: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-    if field == "numbers":
+    if field == "atomic_numbers":
         parts = [atoms.numbers.astype(np.int64) for atoms in images]
         width = 1
     elif field == "positions":
@@ -215,7 +215,7 @@ def structure_digests(
     counts = np.array([len(atoms) for atoms in images], dtype=np.int64)
     columns = []
     for salt, field in enumerate(fields, start=1):
-        if field in ("numbers", "positions", "charges", "momenta", "masses"):
+        if field in ("atomic_numbers", "positions", "charges", "momenta", "masses"):
             words, lengths = _per_atom(images, field, counts)
         elif field == "cell":
             cells = np.array([atoms.cell.array for atoms in images], dtype=np.float64)

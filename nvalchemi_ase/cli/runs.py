@@ -286,13 +286,6 @@ def resumed(
     if not args.resume:
         return 0
     done = finished_indices(output, failures)
-    if done and len(done) >= len(inputs):
-        report(
-            args.command,
-            f"--resume: all {len(inputs)} structures were already finished "
-            f"({output.name.replace('.partial', '')}); checking that they are this "
-            "job's, nothing to compute",
-        )
     for index, source in sorted(done.items()):
         expected = inputs.labels[index] if index < len(inputs) else "nothing"
         if str(source) != expected:
@@ -302,6 +295,12 @@ def resumed(
                 "interrupted run, or start again with --overwrite and without "
                 "--resume"
             )
+    if done and len(done) >= len(inputs):
+        report(
+            args.command,
+            f"--resume: all {len(inputs)} structures were already finished "
+            f"({output.name.replace('.partial', '')}); nothing to compute",
+        )
     return len(done)
 
 
