@@ -25,6 +25,10 @@ entry                             content
                                   parameters (``todict()``), versions, time
 ``structures/atomic_numbers``     (V,) every structure's numbers, concatenated
 ``structures/pbc``                (B, 3)
+``structures/identity``           (B, F) uint64: digests of the structures the
+                                  run started from (:mod:`~nvalchemi_ase.
+                                  dynamics.job`; ``meta["job_model"]`` the
+                                  model's), checked on continuing
 ``batch/<field>``                 positions [V, 3] Å, velocities [V, 3],
                                   cell [B, 3, 3] Å, energy [B, 1] eV, forces
                                   [V, 3] eV/Å, stress [B, 3, 3] eV/Å³, status
