@@ -408,3 +408,19 @@ def test_job_keys_are_not_in_what_read_results_returns(tmp_path, calc):
     for atoms in read_results(output):
         assert not {"job_input", "job_model", "job_run"} & set(atoms.info)
     assert STRUCTURE_FIELDS[0] == "atomic_numbers"
+
+
+def test_a_list_of_inputs_is_checked_before_any_work(tmp_path, calc):
+    """The changed input comes last: nothing else is relaxed before the refusal."""
+    images = _argon(6, stdev=0.1)
+    output = tmp_path / "relaxed.extxyz"
+    relax(images, calc, fmax=0.05, output=output)
+    frames = scan_frames(output)
+    last = max(frames.indices[:3])
+    output.write_bytes(output.read_bytes()[: frames.spans[2][1]])  # 3 finished
+    kept = output.read_bytes()
+    changed = [atoms.copy() for atoms in images]
+    changed[last].positions[0, 0] += 0.01
+    with pytest.raises(JobMismatchError, match=rf"input {last} .*'positions'"):
+        relax(changed, calc, fmax=0.05, output=output, resume=True)
+    assert output.read_bytes() == kept

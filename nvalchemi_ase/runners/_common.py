@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "Run",
     "Slot",
     "calculator_for",
+    "check_written_first",
     "checked_properties",
     "failed_atoms",
     "final_values",
@@ -136,6 +137,29 @@ class CountedInputs:
     def source(self) -> Iterable[Atoms]:
         """The structures as given (a list has a length for progress bars)."""
         return self._structures
+
+
+def check_written_first(run: Run, structures: Iterable[Atoms]) -> None:
+    """With a list of inputs, compare every written result with its input first.
+
+    A resumed run then refuses another job's output before any work; a stream
+    is checked as it is read (:meth:`~nvalchemi_ase.runners.files.Sink.identify`).
+    """
+    source = structures.source if isinstance(structures, CountedInputs) else structures
+    if not run.sink.done or not isinstance(source, Sequence):
+        return
+    indices = sorted(
+        index
+        for index in run.sink.done
+        if index < len(source) and run.shard.owns(index)
+    )
+    for start in range(0, len(indices), _CHECK_CHUNK):
+        part = indices[start : start + _CHECK_CHUNK]
+        run.sink.identify(part, [source[index] for index in part])
+
+
+#: Structures digested together when written results are checked up front.
+_CHECK_CHUNK = 4096
 
 
 def in_input_order(

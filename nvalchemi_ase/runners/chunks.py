@@ -20,6 +20,7 @@ from nvalchemi_ase.runners._common import (
     CountedInputs,
     Run,
     Slot,
+    check_written_first,
     checked_properties,
     failed_atoms,
     final_values,
@@ -385,6 +386,7 @@ def _resumed_chunks(
     Chunks are formed over every input of the rank, finished or not, so a
     resumed run evaluates the same chunks as the uninterrupted one.
     """
+    check_written_first(run, structures)  # a list: before any work
     chunks = _chunks(run.shard.numbered(structures), run.budget, admission)
     for number, chunk in enumerate(chunks):
         run.sink.identify(

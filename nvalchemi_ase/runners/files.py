@@ -212,6 +212,8 @@ class Sink:
         self._recorded: dict[int, tuple[Path, tuple[Any, ...]]] = {}
         #: encoded structure digests of inputs identified but not written yet
         self._pending: dict[int, str] = {}
+        #: written inputs already compared with their frames
+        self._checked: set[int] = set()
         self._files: dict[bool, Any] = {}
         self._shard = SINGLE if shard is None else shard
         if output is None:
@@ -270,6 +272,9 @@ class Sink:
             return
         from nvalchemi_ase.identity import encode, structure_digests
 
+        if self._checked:
+            kept = [k for k, index in enumerate(indices) if index not in self._checked]
+            indices, images = [indices[k] for k in kept], [images[k] for k in kept]
         digests = structure_digests(images, self.job.fields)
         for index, row in zip(indices, digests, strict=True):
             recorded = self._recorded.get(int(index))
@@ -277,6 +282,7 @@ class Sink:
                 self._pending[int(index)] = encode(row)
             else:
                 check_written(recorded[0], int(index), recorded[1], row, self.job)
+                self._checked.add(int(index))
 
     def write(self, atoms: Atoms) -> None:
         """Append one result (failures to the failures file) and flush."""

@@ -26,6 +26,7 @@ from nvalchemi_ase.runners._common import (
     CountedInputs,
     Run,
     Slot,
+    check_written_first,
     checked_properties,
     failed_atoms,
     final_values,
@@ -282,6 +283,7 @@ def _relaxed(
 ) -> Iterator[tuple[int, Atoms]]:
     """Run the working batch over this rank's structures, writing each result."""
     skin = relaxation.optimizer_kwargs.get("neighbor_skin")
+    check_written_first(run, structures)  # a list: before any work
     queue = _Queue(
         _identified(run.shard.numbered(structures), run.sink),
         run.sink.done,
