@@ -172,9 +172,13 @@ def test_resume_refuses_other_inputs_and_a_finished_run(tmp_path, capsys):
     argv = ["calc", str(inputs), "-o", str(output), *LJ]
     assert main([*argv, "--resume"]) == 0  # nothing to resume: a fresh run
     first = output.read_bytes()
-    assert main([*argv, "--resume"]) == 2  # finished: nothing is replaced
-    assert "exists" in capsys.readouterr().err
+    # finished: a requeued --resume succeeds, says so and changes nothing
+    assert main([*argv, "--resume"]) == 0
+    assert "already finished" in capsys.readouterr().err
     assert output.read_bytes() == first
+    assert not (tmp_path / "calc.partial.extxyz").exists()
+    assert main(argv) == 2  # without --resume a finished output is refused
+    assert "exists" in capsys.readouterr().err
 
     output.rename(tmp_path / "calc.partial.extxyz")  # as if interrupted
     other = tmp_path / "other.extxyz"

@@ -127,7 +127,7 @@ LAYERS = [
         "nvalchemi_ase.plotting",  # numpy and matplotlib only
     ),
     ("nvalchemi_ase.convert",),
-    ("nvalchemi_ase.models", "nvalchemi_ase.calculator"),
+    ("nvalchemi_ase.models", "nvalchemi_ase.calculator", "nvalchemi_ase.identity"),
     ("nvalchemi_ase.dynamics", "nvalchemi_ase.engines"),
     ("nvalchemi_ase.md", "nvalchemi_ase.optimize", "nvalchemi_ase.wrap"),
     (

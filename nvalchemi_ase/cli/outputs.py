@@ -7,13 +7,18 @@ and renamed to its final name only when the whole run has finished. A crash,
 Ctrl-C or a killed job therefore leaves the results so far in the ``.partial``
 files and any earlier output untouched, and ``--resume`` continues from them.
 An output that already exists is replaced only with ``--overwrite``; an output
-path that is also an input is always refused.
+path that is also an input is always refused. With ``--resume`` an output of a
+run that had already finished is taken up again (a copy is staged), so a job
+script that always passes ``--resume`` succeeds on a requeue: the runner checks
+the job identity of every result in it (:mod:`nvalchemi_ase.identity`) and,
+with nothing left to compute, the same files are moved back into place.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,6 +70,8 @@ class OutputFiles:
         self.resume = resume
         self._inputs = {Path(name.partition("@")[0]).resolve(): name for name in inputs}
         self._claimed: list[Path] = []
+        #: Finished outputs copied to their staged names (``--resume``).
+        self._reopened: list[Path] = []
 
     def claim(self, path: Path | str) -> Path:
         """Register an output and return the staged path to write it to.
@@ -97,7 +104,9 @@ class OutputFiles:
                     f"output {candidate} is the input {source}: writing it would "
                     "destroy the input; choose another output name"
                 )
-        if final.exists() and not self.overwrite:
+        if self.resume and final.exists() and not staged.exists():
+            self._reopen(final, staged)
+        elif final.exists() and not self.overwrite:
             raise CommandError(
                 f"{final} exists (an earlier run's output); pass --overwrite to "
                 "replace it once the new results are complete, or choose another "
@@ -113,6 +122,34 @@ class OutputFiles:
             staged.unlink()
         self._claimed.append(final)
         return staged
+
+    def _reopen(self, final: Path, staged: Path) -> None:
+        """Stage a copy of a finished run's output, to be continued (requeue)."""
+        if final.is_dir():
+            raise CommandError(
+                f"{final} is a directory; --resume takes up only files, pass "
+                "--overwrite or choose another output"
+            )
+        shutil.copyfile(final, staged)
+        self._reopened.append(final)
+
+    @property
+    def reopened(self) -> list[Path]:
+        """Outputs of a finished run that ``--resume`` staged again (copied)."""
+        return list(self._reopened)
+
+    def discard_reopened(self) -> None:
+        """Remove the staged copies of finished outputs this run left unchanged.
+
+        Called when a run is refused (its inputs or model are another job's):
+        the finished outputs stay as they were and no ``.partial`` file is
+        left to be mistaken for an interrupted run.
+        """
+        for final in self._reopened:
+            staged = partial_name(final)
+            if staged.exists() and staged.stat().st_size == final.stat().st_size:
+                staged.unlink()
+        self._reopened.clear()
 
     def staged(self) -> list[Path]:
         """Staged files written so far (results of an unfinished run).

@@ -25,6 +25,7 @@ from nvalchemi_ase.cli.batching import Inputs, is_out_of_memory, out_of_memory_m
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
 from nvalchemi_ase.cli.outputs import OutputFiles
 from nvalchemi_ase.cli.signals import REQUEUE_STATUS, SignalInterrupt, StopSignals
+from nvalchemi_ase.identity import JobMismatchError
 
 __all__ = [
     "INTERRUPTED_STATUS",
@@ -152,6 +153,15 @@ class RunState:
             raise self.stopped(received or "a stop request", error) from None
         except CommandError:
             raise
+        except JobMismatchError as error:
+            self.outputs.discard_reopened()
+            label = (
+                self.inputs.labels[error.index]
+                if error.index is not None and error.index < len(self.inputs)
+                else None
+            )
+            what = f" ({label})" if label else ""
+            raise CommandError(f"--resume: {error}{what}") from error
         except Exception as error:
             indices = getattr(error, "input_indices", None)
             where = self.outputs.where()
@@ -285,6 +295,12 @@ def resumed(
                 "interrupted run, or start again with --overwrite and without "
                 "--resume"
             )
+    if done and len(done) >= len(inputs):
+        report(
+            args.command,
+            f"--resume: all {len(inputs)} structures were already finished "
+            f"({output.name.replace('.partial', '')}); nothing to compute",
+        )
     return len(done)
 
 

@@ -63,6 +63,7 @@ from nvalchemi_ase.dynamics.images import (
     resolve_images,
     resolve_model_setup,
 )
+from nvalchemi_ase.dynamics.job import start_job
 from nvalchemi_ase.dynamics.logs import internal, log_paths
 from nvalchemi_ase.dynamics.neighbors import is_neighbor_hook, neighbor_hooks
 from nvalchemi_ase.dynamics.observers import (
@@ -1124,7 +1125,11 @@ class BatchedDynamics(AseBaseDynamics):
                 "before the first evaluation; call run() (run(0) is enough) first"
             )
         meta, arrays = capture(
-            self, self.batch_run, nsteps=self.nsteps, extras=self._checkpoint_extras()
+            self,
+            self.batch_run,
+            nsteps=self.nsteps,
+            extras=self._checkpoint_extras(),
+            job_inputs=self._job_inputs,
         )
         write_checkpoint(target, meta, arrays)
         if path is None:
@@ -1152,12 +1157,18 @@ class BatchedDynamics(AseBaseDynamics):
         #: for a caller that must tell its checkpoints apart (the runners store
         #: the input indices of the chunk in flight); not compared on restart.
         self.checkpoint_tags: dict[str, npt.NDArray[Any]] = {}
-        self._trajectory_frames0 = None
+        self._trajectory_frames0: npt.NDArray[np.int64] | None = None
+        #: Digests of the structures the run started from (``dynamics.job``).
+        self._job_inputs: npt.NDArray[np.uint64] | None = None
         if self.restart is None:
             return
         if checkpoint is not None:
             check_matches(self, checkpoint)
             self._continue_from(checkpoint)
+        # hook: the job identity its checkpoints carry (the checkpoint's, if any)
+        self._job_inputs = start_job(
+            self.images, None if checkpoint is None else checkpoint.job_inputs
+        )
         if self.trajectories:
             # frames already in the files (appending), for the checkpoint's count
             self._trajectory_frames0 = self.trajectories.frame_counts()

@@ -25,6 +25,10 @@ entry                             content
                                   parameters (``todict()``), versions, time
 ``structures/atomic_numbers``     (V,) every structure's numbers, concatenated
 ``structures/pbc``                (B, 3)
+``structures/identity``           (B, F) uint64: digests of the structures the
+                                  run started from (:mod:`~nvalchemi_ase.
+                                  dynamics.job`; ``meta["job_model"]`` the
+                                  model's), checked on continuing
 ``batch/<field>``                 positions [V, 3] Å, velocities [V, 3],
                                   cell [B, 3, 3] Å, energy [B, 1] eV, forces
                                   [V, 3] eV/Å, stress [B, 3, 3] eV/Å³, status
@@ -75,6 +79,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from ase.optimize.optimize import RestartError
+
+from nvalchemi_ase.dynamics.job import IDENTITY_ARRAY, job_entries, job_mismatch
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -146,6 +152,11 @@ class Checkpoint:
     path: Path
     meta: dict[str, Any]
     arrays: dict[str, npt.NDArray[Any]]
+
+    @property
+    def job_inputs(self) -> npt.NDArray[np.uint64] | None:
+        """Digests of the structures the run started from (None: an older file)."""
+        return self.arrays.get(IDENTITY_ARRAY)
 
     def group(self, prefix: str) -> dict[str, npt.NDArray[Any]]:
         """Return the entries under ``prefix/``, keyed by the rest of their name."""
@@ -261,7 +272,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             if not isinstance(data, np.lib.npyio.NpzFile):
                 raise ValueError("a single .npy array, not an .npz archive")
             with data:
+                _check_declared_sizes(path, data)  # hook: before any allocation
                 arrays = {key: data[key] for key in data.files}
+    except CheckpointError:
+        raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as error:
         raise CheckpointError(
             f"Could not decode restart file {path}: it cannot be read as an "
@@ -289,6 +303,38 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             "or start afresh"
         )
     return Checkpoint(path=path, meta=meta, arrays=arrays)
+
+
+def _check_declared_sizes(path: Path, data: Any) -> None:
+    """Refuse an entry declaring more bytes than the file holds for it.
+
+    Each ``.npy`` header states a shape and dtype; an array is allocated from
+    them before its bytes are read, so a damaged or forged header could ask
+    for any amount of memory. The zip directory gives every entry's size:
+    an array can never be larger.
+    """
+    from numpy.lib import format as npy
+
+    for key in data.files:
+        name = key if key.endswith(".npy") else f"{key}.npy"
+        try:
+            stored = data.zip.getinfo(name).file_size
+        except KeyError:
+            continue
+        with data.zip.open(name) as entry:
+            version = npy.read_magic(entry)
+            if version == (1, 0):
+                shape, _, dtype = npy.read_array_header_1_0(entry)
+            else:
+                shape, _, dtype = npy.read_array_header_2_0(entry)
+        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if declared > stored:
+            raise CheckpointError(
+                f"restart file {path}: field {key!r} declares shape {tuple(shape)} "
+                f"({declared:.3g} bytes) but the file holds {stored} bytes for it; "
+                "the file is damaged or was not written by nvalchemi_ase. Remove it "
+                "(or give another restart path) to start afresh"
+            )
 
 
 # ----------------------------------------------------------------------------
@@ -362,6 +408,11 @@ def check_matches(owner: Described, checkpoint: Checkpoint) -> None:
         )
     for field in ("dtype", "model", "model_outputs", "cell_filter", "parameters"):
         _same(path, field, meta.get(field), current[field])
+    mismatch = job_mismatch(  # hook: job identity
+        owner.images, owner.model, owner.setup.dtype, meta, checkpoint.arrays
+    )
+    if mismatch is not None:
+        raise CheckpointError(f"restart file {path}: {mismatch}; {_FIX}")
 
 
 def _same(path: Path, field: str, saved: Any, current: Any) -> None:
@@ -414,6 +465,7 @@ def capture(
     *,
     nsteps: int,
     extras: dict[str, npt.NDArray[Any]],
+    job_inputs: npt.NDArray[np.uint64] | None = None,
 ) -> tuple[dict[str, Any], dict[str, npt.NDArray[Any]]]:
     """Everything the next step depends on, for :func:`write_checkpoint`.
 
@@ -427,6 +479,9 @@ def capture(
         ASE's step counter.
     extras : dict of numpy.ndarray
         The owner's own arrays (``extra/<name>``).
+    job_inputs : numpy.ndarray, optional
+        (B, F) digests of the structures the run started from
+        (:mod:`nvalchemi_ase.dynamics.job`).
 
     Returns
     -------
@@ -445,12 +500,20 @@ def capture(
     }
     for key, value in extras.items():
         arrays[f"extra/{key}"] = np.asarray(value)
-    meta = identity(owner) | {
-        "nsteps": int(nsteps),
-        **counters,
-        "written": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": _versions(),
-    }
+    job_meta, job_arrays = job_entries(owner.model, owner.setup.dtype, job_inputs)
+    arrays |= job_arrays  # hook: job identity
+    meta = (
+        identity(owner)
+        | job_meta
+        | {
+            "nsteps": int(nsteps),
+            **counters,
+            "written": datetime.datetime.now(datetime.UTC).isoformat(
+                timespec="seconds"
+            ),
+            "versions": _versions(),
+        }
+    )
     return meta, arrays
 
 

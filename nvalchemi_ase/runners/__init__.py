@@ -116,6 +116,17 @@ missing structures: the chunks, and so every number, are those of the
 uninterrupted run (for MD with a seeded thermostat too, as long as the
 budget is the same). Without ``resume`` an existing, non-empty output is
 refused.
+
+Job identity. Each frame written carries ``job_input``, ``job_model`` and
+``job_run`` (:mod:`nvalchemi_ase.identity`: digests of the input structure,
+the model and the algorithm with its parameters; not returned by
+:func:`read_results`). With ``resume=True`` each input whose result is
+already written is digested as it is read and compared with its frame's:
+another structure, model or parameters raise
+:class:`~nvalchemi_ase.identity.JobMismatchError` naming the input index and
+the field, so results of two jobs are never mixed. Results read back for
+indices past the inputs given are not returned. A damaged frame followed by
+complete ones is set aside by frame number and its structure computed again.
 """
 
 from __future__ import annotations

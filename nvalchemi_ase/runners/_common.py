@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.identity import Job
     from nvalchemi_ase.runners.budget import Budget
     from nvalchemi_ase.runners.distributed import Shard
     from nvalchemi_ase.runners.files import Sink
@@ -27,9 +28,11 @@ __all__ = [
     "NO_LIMIT",
     "PROPERTIES",
     "Admission",
+    "CountedInputs",
     "Run",
     "Slot",
     "calculator_for",
+    "check_written_first",
     "checked_properties",
     "failed_atoms",
     "final_values",
@@ -70,6 +73,7 @@ def opened_run(
     resume: bool = False,
     failures: str | Path | None = None,
     probe: bool | None = None,
+    job: tuple[str, dict[str, Any], tuple[str, ...]] | None = None,
 ) -> Iterator[Run]:
     """Open one runner call: this process's shard, calculator, budget, output.
 
@@ -78,7 +82,9 @@ def opened_run(
 
     The output is finished (shard files merged) when the block ends normally;
     on an error or an abandoned generator it is only closed, so that
-    ``resume=True`` continues from what was written.
+    ``resume=True`` continues from what was written. ``job``: the kind of
+    run, its result-determining parameters and the structure fields it
+    depends on, stored with every frame written (:mod:`nvalchemi_ase.identity`).
     """
     from nvalchemi_ase.runners.budget import Budget
     from nvalchemi_ase.runners.distributed import sharding
@@ -94,7 +100,7 @@ def opened_run(
             sharers=shard.memory_sharers(calc.device),
             probe=probe,
         )
-        sink = Sink(output, resume, failures, shard)
+        sink = Sink(output, resume, failures, shard, job=job_of(calc, job, output))
         try:
             yield Run(shard, calc, budget, sink)
             sink.finish()
@@ -102,14 +108,77 @@ def opened_run(
             sink.close()
 
 
+def job_of(
+    calc: NVAlchemiCalculator,
+    job: tuple[str, dict[str, Any], tuple[str, ...]] | None,
+    output: str | Path | None,
+) -> Job | None:
+    """Return the identity of a runner call writing ``output`` (or None)."""
+    if job is None or output is None:
+        return None
+    from nvalchemi_ase.identity import Job, model_digest, run_digest
+
+    kind, parameters, fields = job
+    return Job(
+        model=model_digest(calc.model, calc.dtype),
+        run=run_digest(kind, parameters),
+        fields=fields,
+    )
+
+
+class CountedInputs:
+    """An iterable of inputs that counts the structures read from it."""
+
+    def __init__(self, structures: Iterable[Atoms]) -> None:
+        self._structures = structures
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Atoms]:
+        for atoms in self._structures:
+            self.count += 1
+            yield atoms
+
+    @property
+    def source(self) -> Iterable[Atoms]:
+        """The structures as given (a list has a length for progress bars)."""
+        return self._structures
+
+
+def check_written_first(run: Run, structures: Iterable[Atoms]) -> None:
+    """With a list of inputs, compare every written result with its input first.
+
+    A resumed run then refuses another job's output before any work; a stream
+    is checked as it is read (:meth:`~nvalchemi_ase.runners.files.Sink.identify`).
+    """
+    source = structures.source if isinstance(structures, CountedInputs) else structures
+    if not run.sink.done or not isinstance(source, Sequence):
+        return
+    indices = sorted(
+        index
+        for index in run.sink.done
+        if index < len(source) and run.shard.owns(index)
+    )
+    for start in range(0, len(indices), _CHECK_CHUNK):
+        part = indices[start : start + _CHECK_CHUNK]
+        run.sink.identify(part, [source[index] for index in part])
+
+
+#: Structures digested together when written results are checked up front.
+_CHECK_CHUNK = 4096
+
+
 def in_input_order(
-    results: Iterator[tuple[int, Atoms]], kwargs: dict[str, Any]
+    results: Iterator[tuple[int, Atoms]],
+    kwargs: dict[str, Any],
+    inputs: CountedInputs | None = None,
 ) -> list[Atoms]:
     """Every rank's results, with ``resume`` those read back too, by index.
 
     ``results`` is the runner's generator, not started yet: it runs inside
     this function's shard (so a process group the runners start lasts until
-    every rank has its results).
+    every rank has its results). ``inputs``: the counted inputs the runner
+    read; results read back for indices past them (an output of more inputs
+    than given) are not returned.
     """
     from nvalchemi_ase.runners.distributed import sharding
 
@@ -117,8 +186,11 @@ def in_input_order(
         found = dict(shard.gather(list(results)))
         if kwargs.get("resume") and kwargs.get("output") is not None:
             failures = kwargs.get("failures") or True
+            limit = None if inputs is None else inputs.count
             for atoms in read_results(kwargs["output"], failures=failures):
-                found.setdefault(int(atoms.info["index"]), atoms)
+                index = int(atoms.info["index"])
+                if limit is None or index < limit:
+                    found.setdefault(index, atoms)
     return [found[index] for index in sorted(found)]
 
 
@@ -132,6 +204,7 @@ class Slot:
     steps: int = 0
     trajectory: Any = None  # its open ase Trajectory, while in flight
     series: list[tuple[float, float]] | None = None  # (E/atom, fmax) per step
+    identity: npt.NDArray[np.uint64] | None = None  # digests of the input as given
 
 
 class Admission:
@@ -305,6 +378,8 @@ def progress_bar(
     if not progress_enabled(progress) or not run.shard.is_root:
         return None
     total = NO_LIMIT
+    if isinstance(structures, CountedInputs):
+        structures = structures.source
     if isinstance(structures, Sized):
         done = sum(1 for index in run.sink.done if run.shard.owns(index))
         total = run.shard.owned_count(len(structures)) - done

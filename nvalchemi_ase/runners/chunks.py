@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from nvalchemi_ase.identity import MD_FIELDS, STRUCTURE_FIELDS
 from nvalchemi_ase.runners._common import (
     Admission,
+    CountedInputs,
     Run,
     Slot,
+    check_written_first,
     checked_properties,
     failed_atoms,
     final_values,
@@ -106,6 +109,7 @@ def isingle_points(
         output=output,
         resume=resume,
         failures=failures,
+        job=("single_points", {}, STRUCTURE_FIELDS),
     ) as run:
         wanted = checked_properties(properties, run.calc, allowed=None)
         admission = Admission(run.calc.model, 0.0)
@@ -148,7 +152,8 @@ def single_points(
         structure that cannot be evaluated comes back without results and
         with ``info["failure"]``.
     """
-    return in_input_order(isingle_points(structures, model, **kwargs), kwargs)
+    inputs = CountedInputs(structures)
+    return in_input_order(isingle_points(inputs, model, **kwargs), kwargs, inputs)
 
 
 def imd(
@@ -281,6 +286,17 @@ def imd(
         resume=resume or checkpoint_exists(restart),
         failures=failures,
         probe=False,  # chunks seed the noise: their layout must not depend on timings
+        job=(
+            "md",
+            {
+                "dynamics": md_class.__name__,
+                "timestep": timestep,
+                "steps": steps,
+                "seed": seed,
+                **kwargs,
+            },
+            MD_FIELDS,
+        ),
     ) as run:
         checkpoint = (
             None
@@ -336,7 +352,8 @@ def md(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
     restart = kwargs.get("restart")
     if restart is not None and Path(restart).exists():
         kwargs["resume"] = True  # as imd() implies
-    return in_input_order(imd(structures, model, **kwargs), kwargs)
+    inputs = CountedInputs(structures)
+    return in_input_order(imd(inputs, model, **kwargs), kwargs, inputs)
 
 
 def _chunks(
@@ -370,8 +387,12 @@ def _resumed_chunks(
     Chunks are formed over every input of the rank, finished or not, so a
     resumed run evaluates the same chunks as the uninterrupted one.
     """
+    check_written_first(run, structures)  # a list: before any work
     chunks = _chunks(run.shard.numbered(structures), run.budget, admission)
     for number, chunk in enumerate(chunks):
+        run.sink.identify(
+            [index for index, _, _ in chunk], [atoms for _, atoms, _ in chunk]
+        )
         if all(index in run.sink.done for index, _, _ in chunk):
             continue
         yield (number, chunk) if numbered else chunk

@@ -14,11 +14,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from nvalchemi_ase.identity import (
+    STRUCTURE_FIELDS,
+    first_difference,
+    inputs_checked_by_caller,
+    structure_digests,
+)
 from nvalchemi_ase.runners._common import (
     NO_LIMIT,
     Admission,
+    CountedInputs,
     Run,
     Slot,
+    check_written_first,
     checked_properties,
     failed_atoms,
     final_values,
@@ -33,6 +41,7 @@ from nvalchemi_ase.runners.budget import Budget
 from nvalchemi_ase.runners.restart import (
     FINISHED_TAG,
     FRAMES_TAG,
+    IDENTITY_TAG,
     IDLE_TAG,
     INDICES_TAG,
     SERIES_LENGTHS_TAG,
@@ -224,6 +233,17 @@ def irelax(
         output=output,
         resume=resume or checkpoint_exists(restart),
         failures=failures,
+        job=(
+            "relax",
+            {
+                "optimizer": optimizer_class.__name__,
+                "fmax": fmax,
+                "steps": steps,
+                "cell_filter": cell_filter,
+                **optimizer_kwargs,
+            },
+            STRUCTURE_FIELDS,
+        ),
     ) as run:
         checkpoint = (
             None
@@ -263,11 +283,13 @@ def _relaxed(
 ) -> Iterator[tuple[int, Atoms]]:
     """Run the working batch over this rank's structures, writing each result."""
     skin = relaxation.optimizer_kwargs.get("neighbor_skin")
+    check_written_first(run, structures)  # a list: before any work
     queue = _Queue(
-        run.shard.numbered(structures),
+        _identified(run.shard.numbered(structures), run.sink),
         run.sink.done,
         run.budget,
         Admission(run.calc.model, skin),
+        identify=relaxation.restart is not None,
     )
     bar = progress_bar(progress, "relax", structures, run)
     converged = failed = 0
@@ -286,6 +308,40 @@ def _relaxed(
         relaxation.close()
         if bar is not None:
             bar.close()
+
+
+def _check_inputs(
+    restart: WorkingBatchRestart | None,
+    slots: list[Slot],
+    saved: npt.NDArray[Any] | None,
+) -> None:
+    """Refuse a checkpointed batch whose inputs are not those given now."""
+    from nvalchemi_ase.dynamics.checkpoint import CheckpointError
+
+    if saved is None or restart is None:
+        return  # a file that predates job identities
+    if any(slot.identity is None for slot in slots):
+        return
+    found = first_difference(saved, np.array([slot.identity for slot in slots]))
+    if found is None:
+        return
+    row, fields = found
+    raise CheckpointError(
+        f"restart file {restart.path}: inputs[{slots[row].index}] is not the "
+        "structure that run relaxed (it differs in "
+        f"{', '.join(repr(f) for f in fields)}); continue with the inputs of the "
+        "interrupted run, or start afresh: remove the file (on the command line: "
+        "--overwrite) or give another restart path"
+    )
+
+
+def _identified(
+    numbered: Iterable[tuple[int, Atoms]], sink: Any
+) -> Iterator[tuple[int, Atoms]]:
+    """Yield the inputs, each checked against its written result (``Sink.identify``)."""
+    for index, atoms in numbered:
+        sink.identify([index], [atoms])
+        yield index, atoms
 
 
 def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]:
@@ -309,7 +365,8 @@ def relax(structures: Iterable[Atoms], model: Any, **kwargs: Any) -> list[Atoms]
     """
     if checkpoint_exists(kwargs.get("restart")):
         kwargs["resume"] = True  # as irelax() implies
-    return in_input_order(irelax(structures, model, **kwargs), kwargs)
+    inputs = CountedInputs(structures)
+    return in_input_order(irelax(inputs, model, **kwargs), kwargs, inputs)
 
 
 class _Queue:
@@ -326,8 +383,11 @@ class _Queue:
         skip: set[int],
         budget: Budget,
         admission: Admission,
+        *,
+        identify: bool = False,
     ) -> None:
         self._source = iter(numbered)
+        self._identify = identify  # keep each input's digests (restart tags)
         self._skip = skip
         self._budget = budget
         self._admission = admission
@@ -346,8 +406,7 @@ class _Queue:
                 break
             if index in self._skip:
                 continue
-            working = atoms.copy()
-            slot = Slot(index, working, self._budget.cost(working))
+            slot = self._slot(index, atoms)
             reason = self._budget.refusal(slot.cost)
             if reason is not None:
                 self.refused.append((slot, reason))
@@ -382,14 +441,20 @@ class _Queue:
                     "run, or remove the file to start afresh"
                 ) from None
             if index in wanted:
-                working = atoms.copy()
-                found[index] = Slot(index, working, self._budget.cost(working))
+                found[index] = self._slot(index, atoms)
             elif index not in self._skip:
                 self._pending.append((index, atoms))
         if self._pending:
             self._source = itertools.chain(self._pending, self._source)
             self._pending = []
         return [found[index] for index in indices]
+
+    def _slot(self, index: int, atoms: Atoms) -> Slot:
+        working = atoms.copy()
+        slot = Slot(index, working, self._budget.cost(working))
+        if self._identify:
+            slot.identity = structure_digests([atoms])[0]
+        return slot
 
     def take(self) -> Slot:
         """Remove and return the structure :meth:`peek` showed."""
@@ -617,7 +682,11 @@ class _Runner:
             slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
             for slot in slots
         ]
-        with quiet_failures(), naming_inputs([slot.index for slot in slots]):
+        with (
+            quiet_failures(),
+            naming_inputs([slot.index for slot in slots]),
+            inputs_checked_by_caller(),  # hook: the runner checks its inputs
+        ):
             opt = self.optimizer_class(
                 images,
                 logfile=None,
@@ -692,6 +761,8 @@ class _Runner:
                 dtype=np.int64,
             ),
         }
+        if all(slot.identity is not None for slot in self.slots):  # hook: identity
+            tags[IDENTITY_TAG] = np.array([slot.identity for slot in self.slots])
         if self.series is not None:
             tags[SERIES_LENGTHS_TAG] = np.array(
                 [-1 if rows is None else len(rows) for rows in series], dtype=np.int64
@@ -708,6 +779,7 @@ class _Runner:
 
         indices = [int(i) for i in tags[INDICES_TAG]]
         slots = queue.collect(indices)
+        _check_inputs(self.restart, slots, tags.get(IDENTITY_TAG))  # hook: identity
         finished = tags[FINISHED_TAG].astype(bool)
         written = np.array([slot.index in queue.written for slot in slots])
         kwargs = dict(self.optimizer_kwargs)

@@ -57,6 +57,7 @@ import numpy.typing as npt
 from nvalchemi_ase.runners.distributed import Shard, shard_files, shard_path
 
 __all__ = [
+    "IDENTITY_TAG",
     "INDICES_TAG",
     "ChunkRestart",
     "RunStopped",
@@ -75,6 +76,8 @@ FINISHED_TAG = "finished"
 #: The refill policy's frozen-atom account since the batch was built (a float).
 IDLE_TAG = "idle"
 FRAMES_TAG = "trajectory_frames"
+#: Digests of each structure's input as given (:mod:`nvalchemi_ase.identity`).
+IDENTITY_TAG = "input_identity"
 SERIES_TAG = "series"
 SERIES_LENGTHS_TAG = "series_lengths"
 _WORKING_BATCH_TAGS = (INDICES_TAG, STEPS_TAG, FINISHED_TAG, FRAMES_TAG)
