@@ -68,6 +68,7 @@ from nvalchemi_ase.dynamics.observers import (
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
+from nvalchemi_ase.models.locks import model_lock
 from nvalchemi_ase.typing import (
     DeviceLike,
     ImagesLike,
@@ -646,7 +647,10 @@ class BatchedDynamics(AseBaseDynamics):
         self._hook_nsteps = self.nsteps
         self.engine.check_initial_batch(self.batch)
         self._guard.forget_snapshot()
-        with self.model.narrowed_outputs(self._outputs_at(self.nsteps)):
+        with (
+            model_lock(self.model),  # threads sharing a model take turns
+            self.model.narrowed_outputs(self._outputs_at(self.nsteps)),
+        ):
             self._driver.prime()
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
@@ -679,7 +683,10 @@ class BatchedDynamics(AseBaseDynamics):
         """One engine step over the batch; the ``Atoms`` are not touched."""
         self._hook_nsteps = self.nsteps + 1
         try:
-            with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
+            with (
+                model_lock(self.model),  # threads sharing a model take turns
+                self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)),
+            ):
                 self._driver.step()
         except RuntimeError as error:
             raise RuntimeError(
