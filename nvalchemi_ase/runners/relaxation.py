@@ -349,7 +349,8 @@ class _Queue:
             working = atoms.copy()
             slot = Slot(index, working, self._budget.cost(working))
             reason = self._budget.refusal(slot.cost)
-            if reason is not None:
+            if reason is not None:  # the calculator's reason first, if it has one
+                reason = self._admission(working) or reason
                 self.refused.append((slot, reason))
                 continue
             self._next = slot
