@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nvalchemi_ase.io_safe import decoded_frame, encoded_frame
+
 if TYPE_CHECKING:
     from ase import Atoms
 
@@ -251,7 +253,7 @@ class Sink:
         frame.calc = atoms.calc
         if frame.info.get("failure") is None:
             frame.info.pop("failure", None)
-        write(text, frame, format="extxyz")
+        write(text, encoded_frame(frame), format="extxyz")  # every frame reads back
         handle.write(text.getvalue())  # one write per frame
         handle.flush()
 
@@ -332,4 +334,4 @@ def read_frames(path: Path) -> list[Atoms]:
 
     if not path.exists() or path.stat().st_size == 0:
         return []
-    return list(iread(path, index=":", format="extxyz"))
+    return [decoded_frame(atoms) for atoms in iread(path, index=":", format="extxyz")]
