@@ -338,9 +338,15 @@ class NVAlchemiCalculator(Calculator):
             with self._lock:
                 return super().get_property(name, atoms, allow_calculation)
         while True:
+            attached = atoms.calc
             target = self._claim(atoms)
             if target is not self:
-                return target.get_property(name, atoms, allow_calculation)
+                try:
+                    return target.get_property(name, atoms, allow_calculation)
+                except Exception:
+                    if atoms.calc is target and not target.results:
+                        atoms.calc = attached  # a refused call leaves atoms as it was
+                    raise
             with self._lock:
                 if self._holds(atoms):  # still ours once the lock is held
                     return super().get_property(name, atoms, allow_calculation)

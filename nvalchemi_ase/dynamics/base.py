@@ -388,7 +388,7 @@ class BatchedDynamics(AseBaseDynamics):
             Passed to ``function``.
         """
         if is_nvalchemi_hook(function):
-            self.engine.register_hook(function)
+            self.engine.register_hook(self._guard.routed(function))  # failures
             return
         super().attach(function, interval, *args, **kwargs)
 
@@ -414,7 +414,7 @@ class BatchedDynamics(AseBaseDynamics):
             Passed to ``function``.
         """
         if is_nvalchemi_hook(function):
-            self.engine.register_hook(function)
+            self.engine.register_hook(self._guard.routed(function))  # failures
             return
         super().insert_observer(function, position, interval, *args, **kwargs)
 

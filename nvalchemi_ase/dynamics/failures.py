@@ -48,6 +48,7 @@ __all__ = [
     "FailureGuard",
     "FailureLimits",
     "OnFailure",
+    "RoutedHook",
     "StructureFailedWarning",
     "StructureFailure",
     "resolve_on_failure",
@@ -279,6 +280,22 @@ class FailureGuard:
             if self._any_failed or not self._host_branching:
                 self._restore(batch)
 
+    def routed(self, hook: Any) -> RoutedHook:
+        """Return ``hook`` (a user's nvalchemi hook) seeing only live structures."""
+        return hook if isinstance(hook, RoutedHook) else RoutedHook(hook, self)
+
+    def flag_new(self, batch: Batch) -> bool:
+        """Check ``batch`` now; whether a structure not flagged before is flagged.
+
+        Reads one flag back to the host: only for the error path of a
+        :class:`RoutedHook`.
+        """
+        with torch.no_grad():
+            before = self.failed.clone()
+            self._record(self._reason_codes(batch))
+            self._restore(batch)
+            return bool((self.failed & ~before).any())
+
     def forget_snapshot(self) -> None:
         """Drop the snapshot before a (re-)evaluation that follows no step.
 
@@ -499,6 +516,68 @@ class FailureGuard:
             mask = per_atom if key in _ATOM_FIELDS else self.failed
             mask = mask.view(-1, *([1] * (target.dim() - 1)))
             target.copy_(torch.where(mask, saved, target))
+
+
+class RoutedHook:
+    """A user's nvalchemi hook routed into the per-structure failure handling.
+
+    nvalchemi's own safety hooks (``NaNDetectorHook``, and any hook that
+    honours ``ctx.active_graph_mask``) stop the whole batch when they see a
+    non-finite value. Attached to a dynamics object of this package
+    (``dyn.attach(NaNDetectorHook())``), a hook is wrapped in this class: it
+    is called with a context whose ``active_graph_mask`` leaves out the
+    structures the :class:`FailureGuard` has flagged, so a structure that
+    failed (even in the evaluation that primes a run, where there is no
+    earlier state to put back) is reported in ``dyn.failures`` and frozen
+    while the others go on. If the hook raises all the same (it ignores the
+    mask), the guard checks the batch at once; when that flags a structure
+    not flagged before, the hook is called again without it, and only an
+    error that remains is raised.
+
+    Parameters
+    ----------
+    hook : nvalchemi Hook
+        The user's hook (``stage``, ``frequency``, ``__call__(ctx, stage)``).
+    guard : FailureGuard
+        The dynamics object's guard.
+
+    Attributes
+    ----------
+    hook : nvalchemi Hook
+        The wrapped hook; other attributes are read from it.
+    """
+
+    def __init__(self, hook: Any, guard: FailureGuard) -> None:
+        self.hook = hook
+        self.guard = guard
+        self.stage = hook.stage
+        self.frequency = hook.frequency
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "hook":  # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.hook, name)
+
+    def __call__(self, ctx: Any, stage: Any) -> Any:
+        """Call the hook on the structures that have not failed."""
+        try:
+            return self.hook(self._live(ctx), stage)
+        except RuntimeError:
+            batch = getattr(ctx, "batch", None)
+            if batch is None or not self.guard.flag_new(batch):
+                raise
+        return self.hook(self._live(ctx), stage)
+
+    def _live(self, ctx: Any) -> Any:
+        import dataclasses
+
+        active = getattr(ctx, "active_graph_mask", None)
+        failed = self.guard.failed
+        batch = getattr(ctx, "batch", None)
+        if batch is None or failed.shape[0] != batch.num_graphs:
+            return ctx
+        live = ~failed if active is None else active & ~failed
+        return dataclasses.replace(ctx, active_graph_mask=live)
 
 
 def _field(batch: Batch, key: str) -> torch.Tensor | None:
