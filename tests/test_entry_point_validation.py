@@ -147,3 +147,13 @@ def test_cli_calc_refuses_a_degenerate_input(tmp_path):
     assert done.returncode != 0
     assert "@1" in done.stderr
     assert OWN_IMAGE in done.stderr
+
+
+@pytest.mark.parametrize("name", DEGENERATE)
+def test_property_workflow_fails_only_the_degenerate_material(name):
+    from nvalchemi_ase.properties import equation_of_state
+
+    results = equation_of_state([_good(), DEGENERATE[name]()], "lj", n_volumes=5)
+    assert results[0].ok
+    assert not results[1].ok
+    assert OWN_IMAGE in results[1].error

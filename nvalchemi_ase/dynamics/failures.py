@@ -294,7 +294,14 @@ class FailureGuard:
             before = self.failed.clone()
             self._record(self._reason_codes(batch))
             self._restore(batch)
-            return bool((self.failed & ~before).any())
+            newly = bool((self.failed & ~before).any())
+            self._any_failed |= newly
+            return newly
+
+    @property
+    def failures_on_host(self) -> bool:
+        """Whether the host knows of a flagged structure (no device read)."""
+        return self._any_failed or bool(self._known.any())
 
     def forget_snapshot(self) -> None:
         """Drop the snapshot before a (re-)evaluation that follows no step.
@@ -526,7 +533,8 @@ class RoutedHook:
     non-finite value. Attached to a dynamics object of this package
     (``dyn.attach(NaNDetectorHook())``), a hook is wrapped in this class: it
     is called with a context whose ``active_graph_mask`` leaves out the
-    structures the :class:`FailureGuard` has flagged, so a structure that
+    structures the :class:`FailureGuard` has flagged (once the host knows of
+    one; until then the context is nvalchemi's own), so a structure that
     failed (even in the evaluation that primes a run, where there is no
     earlier state to put back) is reported in ``dyn.failures`` and frozen
     while the others go on. If the hook raises all the same (it ignores the
@@ -571,6 +579,8 @@ class RoutedHook:
     def _live(self, ctx: Any) -> Any:
         import dataclasses
 
+        if not self.guard.failures_on_host:
+            return ctx  # as nvalchemi gives it (some hooks refuse any mask)
         active = getattr(ctx, "active_graph_mask", None)
         failed = self.guard.failed
         batch = getattr(ctx, "batch", None)
