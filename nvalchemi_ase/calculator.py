@@ -212,6 +212,30 @@ class NVAlchemiCalculator(Calculator):
             ) from error
         return state
 
+    def __copy__(self) -> NVAlchemiCalculator:
+        """Return a calculator over the same model and buffers (shallow copy)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.results = dict(self.results)
+        clone._owner = None
+        clone._lock = threading.RLock()
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NVAlchemiCalculator:
+        """Return a calculator with its own copy of the model (no pickling)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        state = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("_lock", "_owner", "_shared")
+        }
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._shared = _SharedState(stress_wanted=self._shared.stress_wanted)
+        clone._owner = None
+        clone._lock = threading.RLock()
+        return clone
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild a pickled calculator (see :meth:`__getstate__`)."""
         stress_wanted = state.pop("_stress_wanted", False)
@@ -376,13 +400,10 @@ class NVAlchemiCalculator(Calculator):
 
     def _view(self) -> NVAlchemiCalculator:
         """Return a calculator over the same model and buffers, holding no results."""
-        view = object.__new__(type(self))  # not copy.copy: that pickles (state)
-        view.__dict__.update(self.__dict__)
+        view = copy.copy(self)
         view.atoms = None
         view.results = {}
         view.parameters = copy.deepcopy(self.parameters)
-        view._owner = None
-        view._lock = threading.RLock()
         return view
 
     # -- batched API ----------------------------------------------------------
