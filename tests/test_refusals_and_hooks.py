@@ -161,7 +161,12 @@ def _run(kind: str, images: list[Atoms], model: torch.nn.Module, hook: bool) -> 
 
 @pytest.mark.parametrize("kind", ["md", "optimizer"])
 @pytest.mark.parametrize("after_calls", [0, 3], ids=["at priming", "later"])
-def test_nan_detector_costs_one_structure(kind, after_calls):
+@pytest.mark.parametrize("reads_free", [True, False], ids=["cpu", "gpu-like"])
+def test_nan_detector_costs_one_structure(kind, after_calls, reads_free, monkeypatch):
+    from nvalchemi_ase import devices
+
+    if not reads_free:  # an accelerator's path: flags stay on the device
+        monkeypatch.setattr(devices, "host_reads_are_free", lambda device: False)
     images = _images()
     dyn = _run(kind, images, _nan_model(2, after_calls), hook=True)
     assert [f.index for f in dyn.failures] == [1]

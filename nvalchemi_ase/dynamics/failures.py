@@ -284,19 +284,19 @@ class FailureGuard:
         """Return ``hook`` (a user's nvalchemi hook) seeing only live structures."""
         return hook if isinstance(hook, RoutedHook) else RoutedHook(hook, self)
 
-    def flag_new(self, batch: Batch) -> bool:
-        """Check ``batch`` now; whether a structure not flagged before is flagged.
+    def check_now(self, batch: Batch) -> torch.Tensor:
+        """Check ``batch`` at once (the error path of a :class:`RoutedHook`).
 
-        Reads one flag back to the host: only for the error path of a
-        :class:`RoutedHook`.
+        Returns
+        -------
+        torch.Tensor, shape (B,), bool
+            The flags afterwards (read back once: the host knows of them).
         """
         with torch.no_grad():
-            before = self.failed.clone()
             self._record(self._reason_codes(batch))
             self._restore(batch)
-            newly = bool((self.failed & ~before).any())
-            self._any_failed |= newly
-            return newly
+            self._any_failed = bool(self.failed.any())  # one read: error path only
+        return self.failed
 
     @property
     def failures_on_host(self) -> bool:
@@ -568,26 +568,30 @@ class RoutedHook:
 
     def __call__(self, ctx: Any, stage: Any) -> Any:
         """Call the hook on the structures that have not failed."""
+        hidden = self.guard.failed.clone() if self.guard.failures_on_host else None
         try:
-            return self.hook(self._live(ctx), stage)
+            return self.hook(_without(ctx, hidden), stage)
         except RuntimeError:
             batch = getattr(ctx, "batch", None)
-            if batch is None or not self.guard.flag_new(batch):
+            if batch is None:
                 raise
-        return self.hook(self._live(ctx), stage)
+            failed = self.guard.check_now(batch)
+            grew = failed if hidden is None else failed & ~hidden
+            if not bool(grew.any()):  # nothing new to hide: a real error
+                raise
+        return self.hook(_without(ctx, self.guard.failed), stage)
 
-    def _live(self, ctx: Any) -> Any:
-        import dataclasses
 
-        if not self.guard.failures_on_host:
-            return ctx  # as nvalchemi gives it (some hooks refuse any mask)
-        active = getattr(ctx, "active_graph_mask", None)
-        failed = self.guard.failed
-        batch = getattr(ctx, "batch", None)
-        if batch is None or failed.shape[0] != batch.num_graphs:
-            return ctx
-        live = ~failed if active is None else active & ~failed
-        return dataclasses.replace(ctx, active_graph_mask=live)
+def _without(ctx: Any, failed: torch.Tensor | None) -> Any:
+    """``ctx`` with the ``failed`` structures out of its ``active_graph_mask``."""
+    import dataclasses
+
+    batch = getattr(ctx, "batch", None)
+    if failed is None or batch is None or failed.shape[0] != batch.num_graphs:
+        return ctx  # as nvalchemi gives it (some hooks refuse any mask)
+    active = getattr(ctx, "active_graph_mask", None)
+    live = ~failed if active is None else active & ~failed
+    return dataclasses.replace(ctx, active_graph_mask=live)
 
 
 def _field(batch: Batch, key: str) -> torch.Tensor | None:
