@@ -14,9 +14,10 @@ lists by its own hooks, :func:`~nvalchemi_ase.models.composition.build_neighbors
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from nvalchemi_ase.convert import (
 from nvalchemi_ase.devices import DtypeLike, resolve_device, resolve_dtype
 from nvalchemi_ase.models import model_native_dtype, resolve_model
 from nvalchemi_ase.models.composition import build_neighbors
+from nvalchemi_ase.models.locks import model_lock
 from nvalchemi_ase.typing import DeviceLike, ModelLike
 
 if TYPE_CHECKING:
@@ -63,7 +65,10 @@ class _SharedState:
     """What a calculator and its per-structure views share besides the model."""
 
     stress_wanted: bool = False
+    # Only read or written under the model's lock (``model_lock``).
     reusable: tuple[tuple[Any, ...], Batch] | None = None
+    # Guards which structure owns which calculator (``_claim``).
+    claims: threading.RLock = field(default_factory=threading.RLock)
 
 
 class NVAlchemiCalculator(Calculator):
@@ -164,6 +169,85 @@ class NVAlchemiCalculator(Calculator):
         )
         self._shared = _SharedState()
         self._owner: weakref.ref[Atoms] | None = None
+        self._lock = threading.RLock()  # this calculator's atoms and results
+        # How to build the model again in another process (pickling).
+        self._model_name = model if isinstance(model, str) else None
+        self._model_params = dict(model_params)
+
+    # -- threads and processes ---------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """State for pickling (``concurrent.futures`` process pools).
+
+        A calculator built from a model name is sent as that name and its
+        parameters and builds its model again on the other side; one built
+        around a model object sends the object (torch pickles modules with
+        their weights). Locks, the reusable batch and which ``Atoms`` owns
+        the calculator stay behind; ``atoms`` and ``results`` travel.
+
+        Raises
+        ------
+        TypeError
+            If the model object cannot be pickled (the message says to pass a
+            model name instead).
+        """
+        import pickle
+
+        state = dict(self.__dict__)
+        for key in ("_lock", "_owner", "_shared"):
+            state.pop(key, None)
+        state["_stress_wanted"] = self._shared.stress_wanted
+        if self._model_name is not None:
+            state.pop("model")
+            return state
+        try:
+            pickle.dumps(self.model)
+        except Exception as error:
+            raise TypeError(
+                f"this NVAlchemiCalculator cannot be pickled: its model "
+                f"{type(self.model).__name__} cannot be ({error}); build the "
+                "calculator from a model name (NVAlchemiCalculator('sevennet-0')) "
+                "so that each process loads the model itself, or create the "
+                "calculator inside the worker"
+            ) from error
+        return state
+
+    def __copy__(self) -> NVAlchemiCalculator:
+        """Return a calculator over the same model and buffers (shallow copy)."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.results = dict(self.results)
+        clone._owner = None
+        clone._lock = threading.RLock()
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NVAlchemiCalculator:
+        """Return a calculator with its own copy of the model (no pickling)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        state = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key not in ("_lock", "_owner", "_shared")
+        }
+        clone.__dict__.update(copy.deepcopy(state, memo))
+        clone._shared = _SharedState(stress_wanted=self._shared.stress_wanted)
+        clone._owner = None
+        clone._lock = threading.RLock()
+        return clone
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild a pickled calculator (see :meth:`__getstate__`)."""
+        stress_wanted = state.pop("_stress_wanted", False)
+        self.__dict__.update(state)
+        if "model" not in state:
+            rebuilt = resolve_model(self._model_name, **self._model_params)
+            if isinstance(rebuilt, torch.nn.Module):
+                rebuilt = rebuilt.to(device=self.device, dtype=self.dtype)
+            self.model = rebuilt
+        self._shared = _SharedState(stress_wanted=stress_wanted)
+        self._owner = None
+        self._lock = threading.RLock()
 
     # -- ASE protocol ---------------------------------------------------------
 
@@ -190,16 +274,23 @@ class NVAlchemiCalculator(Calculator):
             If a property is not available for this model or structure (e.g.
             stress of a structure whose cell has rank < 3).
         """
-        super().calculate(atoms, list(properties), list(system_changes))
-        results = self._evaluate([self.atoms], properties)[0]
-        missing = [p for p in properties if p not in results]
-        if missing:
-            raise PropertyNotImplementedError(
-                f"{missing} not available for this structure: stress needs a cell of "
-                f"rank 3 (cell = {self.atoms.cell.array.tolist()}); give the structure "
-                "three lattice vectors, e.g. atoms.center(vacuum=10.0)"
-            )
-        self.results = results
+        with self._lock:
+            previous = self.atoms
+            super().calculate(atoms, list(properties), list(system_changes))
+            try:
+                results = self._evaluate([self.atoms], properties)[0]
+            except Exception:
+                self.atoms = previous  # a refused structure is not adopted
+                raise
+            missing = [p for p in properties if p not in results]
+            if missing:
+                raise PropertyNotImplementedError(
+                    f"{missing} not available for this structure: stress needs a "
+                    f"cell of rank 3 (cell = {self.atoms.cell.array.tolist()}); give "
+                    "the structure three lattice vectors, e.g. "
+                    "atoms.center(vacuum=10.0)"
+                )
+            self.results = results
 
     def check_state(self, atoms: Atoms, tol: float = 1e-15) -> list[str]:
         """ASE's state check, plus ``info["charge"]``/``info["spin"]`` changes.
@@ -240,8 +331,9 @@ class NVAlchemiCalculator(Calculator):
             ASE results as :func:`~nvalchemi_ase.convert.batch_results` makes them.
         """
         target = self._claim(atoms)
-        target.atoms = atoms.copy()
-        target.results = dict(results)
+        with target._lock:
+            target.atoms = atoms.copy()
+            target.results = dict(results)
 
     def get_property(
         self, name: str, atoms: Atoms | None = None, allow_calculation: bool = True
@@ -267,11 +359,26 @@ class NVAlchemiCalculator(Calculator):
             The property (arrays are fresh copies).
         """
         if atoms is None:
-            return super().get_property(name, atoms, allow_calculation)
-        target = self._claim(atoms)
-        if target is not self:
-            return target.get_property(name, atoms, allow_calculation)
-        return super().get_property(name, atoms, allow_calculation)
+            with self._lock:
+                return super().get_property(name, atoms, allow_calculation)
+        while True:
+            attached = atoms.calc
+            target = self._claim(atoms)
+            if target is not self:
+                try:
+                    return target.get_property(name, atoms, allow_calculation)
+                except Exception:
+                    if atoms.calc is target and not target.results:
+                        atoms.calc = attached  # a refused call leaves atoms as it was
+                    raise
+            with self._lock:
+                if self._holds(atoms):  # still ours once the lock is held
+                    return super().get_property(name, atoms, allow_calculation)
+
+    def _holds(self, atoms: Atoms) -> bool:
+        """Whether ``atoms`` is the structure this calculator answers for."""
+        owner = None if self._owner is None else self._owner()
+        return owner is atoms
 
     def _claim(self, atoms: Atoms) -> NVAlchemiCalculator:
         """Return the calculator holding ``atoms``'s results: this one or a new view.
@@ -280,15 +387,16 @@ class NVAlchemiCalculator(Calculator):
         that structure lives and keeps it attached; any other structure gets a
         view, attached in its place when it had this calculator attached.
         """
-        owner = None if self._owner is None else self._owner()
-        if owner is None or owner is atoms or owner.calc is not self:
-            self._owner = weakref.ref(atoms)
-            return self
-        view = self._view()
-        view._owner = weakref.ref(atoms)
-        if atoms.calc is self:
-            atoms.calc = view
-        return view
+        with self._shared.claims:
+            owner = None if self._owner is None else self._owner()
+            if owner is None or owner is atoms or owner.calc is not self:
+                self._owner = weakref.ref(atoms)
+                return self
+            view = self._view()
+            view._owner = weakref.ref(atoms)
+            if atoms.calc is self:
+                atoms.calc = view
+            return view
 
     def _view(self) -> NVAlchemiCalculator:
         """Return a calculator over the same model and buffers, holding no results."""
@@ -296,7 +404,6 @@ class NVAlchemiCalculator(Calculator):
         view.atoms = None
         view.results = {}
         view.parameters = copy.deepcopy(self.parameters)
-        view._owner = None
         return view
 
     # -- batched API ----------------------------------------------------------
@@ -360,10 +467,14 @@ class NVAlchemiCalculator(Calculator):
                 f"{unknown} cannot be computed by {type(self.model).__name__}; it "
                 f"provides {self.implemented_properties}"
             )
-        self._shared.stress_wanted |= "stress" in properties
+        if "stress" in properties:
+            self._shared.stress_wanted = True
         check_images(images, model=self.model)
-        batch = self._batch_for(images)
-        return batch_results(batch, self._run_model(batch, properties))
+        # The model and the reusable batch are shared: one evaluation at a time
+        # per model object; every result leaves the lock as fresh NumPy arrays.
+        with model_lock(self.model):
+            batch = self._batch_for(images)
+            return batch_results(batch, self._run_model(batch, properties))
 
     def _batch_for(self, images: list[Atoms]) -> Batch:
         """Build the batch of ``images``, reusing the last one where possible.

@@ -125,6 +125,7 @@ LAYERS = [
         "nvalchemi_ase._compat",
         "nvalchemi_ase.typing",
         "nvalchemi_ase.plotting",  # numpy and matplotlib only
+        "nvalchemi_ase.io_safe",  # numpy and ase only
     ),
     ("nvalchemi_ase.convert",),
     ("nvalchemi_ase.models", "nvalchemi_ase.calculator", "nvalchemi_ase.identity"),

@@ -173,9 +173,9 @@ def _row(result: DefectResult) -> tuple[str, ...]:
 def _write_structures(
     args: argparse.Namespace, result: DefectResult, path: Path
 ) -> None:
-    from ase.io import write
+    from nvalchemi_ase.io_safe import write_frames
 
-    write(path, result.structures, format="extxyz")
+    write_frames(path, result.structures, format="extxyz")
 
 
 def _plot(args: argparse.Namespace, result: DefectResult, path: Path) -> None:

@@ -233,7 +233,8 @@ def _claim_outputs(outputs: OutputFiles, prefix: str, count: int) -> dict[str, A
 
 def _write_band(staged: Path, index: int, path: _Path, result: PathResult) -> None:
     from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.io import write
+
+    from nvalchemi_ase.io_safe import write_frames
 
     frames = []
     for position, image in enumerate(result.images):
@@ -248,7 +249,7 @@ def _write_band(staged: Path, index: int, path: _Path, result: PathResult) -> No
         if result.failed:
             frame.info["failure"] = result.failure
         frames.append(frame)
-    write(staged, frames, format="extxyz")
+    write_frames(staged, frames, format="extxyz")
 
 
 def _row(index: int, path: _Path, result: PathResult) -> tuple[str, ...]:

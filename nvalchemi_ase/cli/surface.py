@@ -145,9 +145,9 @@ def _row(result: SurfaceResult) -> tuple[str, ...]:
 
 
 def _write_slabs(args: argparse.Namespace, result: SurfaceResult, path: Path) -> None:
-    from ase.io import write
+    from nvalchemi_ase.io_safe import write_frames
 
-    write(path, result.slabs, format="extxyz")
+    write_frames(path, result.slabs, format="extxyz")
 
 
 def _plot(args: argparse.Namespace, result: SurfaceResult, path: Path) -> None:

@@ -74,6 +74,7 @@ from nvalchemi_ase.dynamics.observers import (
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
 from nvalchemi_ase.dynamics.run import BatchRun, atom_rows
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
+from nvalchemi_ase.models.locks import model_lock
 from nvalchemi_ase.typing import (
     DeviceLike,
     ImagesLike,
@@ -430,7 +431,7 @@ class BatchedDynamics(AseBaseDynamics):
             Passed to ``function``.
         """
         if is_nvalchemi_hook(function):
-            self.engine.register_hook(function)
+            self.engine.register_hook(self._guard.routed(function))  # failures
             return
         super().attach(function, interval, *args, **kwargs)
 
@@ -456,7 +457,7 @@ class BatchedDynamics(AseBaseDynamics):
             Passed to ``function``.
         """
         if is_nvalchemi_hook(function):
-            self.engine.register_hook(function)
+            self.engine.register_hook(self._guard.routed(function))  # failures
             return
         super().insert_observer(function, position, interval, *args, **kwargs)
 
@@ -853,7 +854,10 @@ class BatchedDynamics(AseBaseDynamics):
         if stress and "stress" in self.model.model_config.outputs:
             outputs.add("stress")
             self.batch_run.stress_step = self.nsteps
-        with self.model.narrowed_outputs(outputs):
+        with (
+            model_lock(self.model),  # threads sharing a model take turns
+            self.model.narrowed_outputs(outputs),
+        ):
             self.batch_run.prime()
         if self._pending_checkpoint is not None:
             checkpoint, self._pending_checkpoint = self._pending_checkpoint, None
@@ -886,7 +890,10 @@ class BatchedDynamics(AseBaseDynamics):
         """One engine step over the batch; the ``Atoms`` are not touched."""
         self._hook_nsteps = self.nsteps + 1
         try:
-            with self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)):
+            with (
+                model_lock(self.model),  # threads sharing a model take turns
+                self.model.narrowed_outputs(self._outputs_at(self.nsteps + 1)),
+            ):
                 self.batch_run.step()
         except RuntimeError as error:
             raise RuntimeError(

@@ -49,6 +49,7 @@ __all__ = [
     "FailureGuard",
     "FailureLimits",
     "OnFailure",
+    "RoutedHook",
     "StructureFailedWarning",
     "StructureFailure",
     "resolve_on_failure",
@@ -294,6 +295,29 @@ class FailureGuard:
         """
         with torch.no_grad():
             self._record(torch.where(bad, code, 0))
+
+    def routed(self, hook: Any) -> RoutedHook:
+        """Return ``hook`` (a user's nvalchemi hook) seeing only live structures."""
+        return hook if isinstance(hook, RoutedHook) else RoutedHook(hook, self)
+
+    def check_now(self, batch: Batch) -> torch.Tensor:
+        """Check ``batch`` at once (the error path of a :class:`RoutedHook`).
+
+        Returns
+        -------
+        torch.Tensor, shape (B,), bool
+            The flags afterwards (read back once: the host knows of them).
+        """
+        with torch.no_grad():
+            self._record(self._reason_codes(batch))
+            self._restore(batch)
+            self._any_failed = bool(self.failed.any())  # one read: error path only
+        return self.failed
+
+    @property
+    def failures_on_host(self) -> bool:
+        """Whether the host knows of a flagged structure (no device read)."""
+        return self._any_failed or bool(self._known.any())
 
     def forget_snapshot(self) -> None:
         """Drop the snapshot before a (re-)evaluation that follows no step.
@@ -549,6 +573,75 @@ class FailureGuard:
             mask = per_atom if key in _ATOM_FIELDS else self.failed
             mask = mask.view(-1, *([1] * (target.dim() - 1)))
             target.copy_(torch.where(mask, saved, target))
+
+
+class RoutedHook:
+    """A user's nvalchemi hook routed into the per-structure failure handling.
+
+    nvalchemi's own safety hooks (``NaNDetectorHook``, and any hook that
+    honours ``ctx.active_graph_mask``) stop the whole batch when they see a
+    non-finite value. Attached to a dynamics object of this package
+    (``dyn.attach(NaNDetectorHook())``), a hook is wrapped in this class: it
+    is called with a context whose ``active_graph_mask`` leaves out the
+    structures the :class:`FailureGuard` has flagged (once the host knows of
+    one; until then the context is nvalchemi's own), so a structure that
+    failed (even in the evaluation that primes a run, where there is no
+    earlier state to put back) is reported in ``dyn.failures`` and frozen
+    while the others go on. If the hook raises all the same (it ignores the
+    mask), the guard checks the batch at once; when that flags a structure
+    not flagged before, the hook is called again without it, and only an
+    error that remains is raised.
+
+    Parameters
+    ----------
+    hook : nvalchemi Hook
+        The user's hook (``stage``, ``frequency``, ``__call__(ctx, stage)``).
+    guard : FailureGuard
+        The dynamics object's guard.
+
+    Attributes
+    ----------
+    hook : nvalchemi Hook
+        The wrapped hook; other attributes are read from it.
+    """
+
+    def __init__(self, hook: Any, guard: FailureGuard) -> None:
+        self.hook = hook
+        self.guard = guard
+        self.stage = hook.stage
+        self.frequency = hook.frequency
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "hook":  # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.hook, name)
+
+    def __call__(self, ctx: Any, stage: Any) -> Any:
+        """Call the hook on the structures that have not failed."""
+        hidden = self.guard.failed.clone() if self.guard.failures_on_host else None
+        try:
+            return self.hook(_without(ctx, hidden), stage)
+        except RuntimeError:
+            batch = getattr(ctx, "batch", None)
+            if batch is None:
+                raise
+            failed = self.guard.check_now(batch)
+            grew = failed if hidden is None else failed & ~hidden
+            if not bool(grew.any()):  # nothing new to hide: a real error
+                raise
+        return self.hook(_without(ctx, self.guard.failed), stage)
+
+
+def _without(ctx: Any, failed: torch.Tensor | None) -> Any:
+    """``ctx`` with the ``failed`` structures out of its ``active_graph_mask``."""
+    import dataclasses
+
+    batch = getattr(ctx, "batch", None)
+    if failed is None or batch is None or failed.shape[0] != batch.num_graphs:
+        return ctx  # as nvalchemi gives it (some hooks refuse any mask)
+    active = getattr(ctx, "active_graph_mask", None)
+    live = ~failed if active is None else active & ~failed
+    return dataclasses.replace(ctx, active_graph_mask=live)
 
 
 def _field(batch: Batch, key: str) -> torch.Tensor | None:

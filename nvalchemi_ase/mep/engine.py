@@ -34,6 +34,7 @@ from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.mep.monitor import EngineOutcome, PathMonitor, split_positions
+from nvalchemi_ase.models.locks import model_lock
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -259,7 +260,7 @@ def run_neb(
     )
     engine = strategy.build_engine()
     monitor.bind(engine)
-    with model.narrowed_outputs({"energy", "forces"}):
+    with model_lock(model), model.narrowed_outputs({"energy", "forces"}):
         engine.run(batch, n_steps=steps)
         final = final_results(model, batch)
     return monitor.outcome(batch, engine.step_count, final)

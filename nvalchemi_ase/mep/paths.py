@@ -193,6 +193,7 @@ def relax_paths(
     from nvalchemi_ase.runners.budget import Budget
 
     budget = Budget.for_calculator(calc, max_atoms, max_edges)  # checked first
+    _check_structures(paths, calc)  # the calculator's checks, before any sizing
     bands = _bands(paths, n_images, interpolate)
     if interpolate == "idpp":
         relax_idpp(bands, k=k, device=calc.device, dtype=calc.dtype)
@@ -323,6 +324,33 @@ def _image_counts(
                 "interpolate=None the given images are used as they are"
             )
     return counts
+
+
+def _check_structures(
+    paths: Sequence[Sequence[Atoms]], calc: NVAlchemiCalculator
+) -> None:
+    """Run the calculator's geometry and element checks on every given image.
+
+    Raises
+    ------
+    StructureError
+        For the first image the model cannot run; the message names it as
+        ``paths[p][i]`` with the field and the fix.
+    """
+    from nvalchemi_ase.convert import StructureError, check_images
+    from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
+
+    if isinstance(paths, Atoms):
+        return  # _bands refuses it with its own message
+    for index, path in enumerate(paths):
+        if not path or not all(isinstance(image, Atoms) for image in path):
+            continue  # _check_path names what is wrong
+        try:
+            check_images(list(path), model=calc.model, skin=DEFAULT_SKIN)
+        except StructureError as error:
+            error.args = (f"paths[{index}]" + str(error).removeprefix("images"),)
+            error.index = index
+            raise
 
 
 def _check_path(index: int, path: Sequence[Atoms]) -> None:

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_ESTIMATE",
+    "MAX_COUNTED_IMAGES",
     "MEMORY_ATTRIBUTE",
     "SAFETY_FRACTION",
     "MemoryEstimate",
@@ -345,12 +346,22 @@ def _model_cutoff(model: Any) -> float | None:
 # -- edges ----------------------------------------------------------------------
 
 
+#: Periodic images per side beyond which :func:`count_edges` does not count:
+#: the structure is one :func:`~nvalchemi_ase.convert.check_images` refuses
+#: (its :data:`~nvalchemi_ase.convert.MAX_PERIODIC_IMAGES`), so it gets inf.
+MAX_COUNTED_IMAGES = 16
+#: Floats of the (images x atoms x 3) distance blocks :func:`count_edges` makes.
+_BLOCK_FLOATS = 4_000_000
+
+
 def count_edges(atoms: Atoms, cutoff: float | None, *, samples: int = 64) -> float:
     """Edges of a structure within ``cutoff``: exact for small ones, sampled else.
 
     Counts, for up to ``samples`` atoms spread evenly over the structure, the
     atoms (periodic images included, along periodic axes with a lattice
-    vector) closer than ``cutoff``, and scales the mean to all atoms.
+    vector) closer than ``cutoff``, and scales the mean to all atoms. The work
+    is done in blocks of at most a few million distances, so the memory it
+    takes does not grow with the structure or the number of images.
 
     Parameters
     ----------
@@ -365,33 +376,60 @@ def count_edges(atoms: Atoms, cutoff: float | None, *, samples: int = 64) -> flo
     -------
     float
         Ordered pairs ``(i, j)``, ``i != j`` or a periodic image, with
-        ``|r_ij| < cutoff`` (what a full neighbour list holds).
+        ``|r_ij| < cutoff`` (what a full neighbour list holds); ``inf``, without
+        counting, for a structure no model can run: non-finite positions or
+        cell, or a periodic axis so thin (a near-singular cell) that the count
+        would need more than :data:`MAX_COUNTED_IMAGES` images per side
+        (:func:`~nvalchemi_ase.convert.check_images` refuses such a structure
+        with its reason; call it first for the message).
     """
     count = len(atoms)
     if not cutoff or cutoff <= 0 or count == 0:
         return 0.0
     positions = np.asarray(atoms.positions, dtype=np.float64)
-    shifts = _image_shifts(atoms.cell.array, np.asarray(atoms.pbc, bool), cutoff)
+    cell = np.asarray(atoms.cell.array, dtype=np.float64)
+    if not (np.isfinite(positions).all() and np.isfinite(cell).all()):
+        return math.inf
+    reach = _image_reach(cell, np.asarray(atoms.pbc, bool), cutoff)
+    if reach is None:
+        return math.inf
+    shifts = _image_shifts(cell, np.asarray(atoms.pbc, bool), reach)
     picked = np.unique(
         np.linspace(0, count - 1, min(count, samples)).round().astype(int)
     )
-    images = positions[None, :, :] + shifts[:, None, :]  # (S, N, 3)
-    per_block = max(1, 4_000_000 // max(1, images.shape[0] * count))
+    shifts_per_block = max(1, _BLOCK_FLOATS // (3 * count))
     total = 0
-    for start in range(0, picked.size, per_block):
-        centres = positions[picked[start : start + per_block]]
-        d2 = ((images[None] - centres[:, None, None, :]) ** 2).sum(axis=-1)
-        total += int((d2 < cutoff * cutoff).sum()) - centres.shape[0]  # not itself
+    for first in range(0, shifts.shape[0], shifts_per_block):
+        images = positions[None, :, :] + shifts[first : first + shifts_per_block, None]
+        centres_per_block = max(1, _BLOCK_FLOATS // images.size)
+        for start in range(0, picked.size, centres_per_block):
+            centres = positions[picked[start : start + centres_per_block]]
+            d2 = ((images[None] - centres[:, None, None, :]) ** 2).sum(axis=-1)
+            total += int((d2 < cutoff * cutoff).sum())
+    total -= picked.size  # each sampled atom found itself once
     return total * count / picked.size
 
 
-def _image_shifts(cell: np.ndarray, pbc: np.ndarray, cutoff: float) -> np.ndarray:
-    """Cartesian offsets (S, 3) of every periodic image within reach of ``cutoff``."""
+def _image_reach(cell: np.ndarray, pbc: np.ndarray, cutoff: float) -> np.ndarray | None:
+    """Images per side on each periodic axis within ``cutoff``; None if too many."""
+    periodic = pbc & np.any(cell != 0, axis=1)
+    if not periodic.any():
+        return np.zeros(0, dtype=int)
+    try:
+        reciprocal = np.linalg.pinv(cell[periodic]).T  # rows: dual of the vectors
+    except np.linalg.LinAlgError:
+        return None
+    needed = cutoff * np.linalg.norm(reciprocal, axis=1)
+    if not np.all(needed <= MAX_COUNTED_IMAGES):  # NaN too
+        return None
+    return np.ceil(needed).astype(int)
+
+
+def _image_shifts(cell: np.ndarray, pbc: np.ndarray, reach: np.ndarray) -> np.ndarray:
+    """Cartesian offsets (S, 3) of the periodic images ``reach`` allows."""
     periodic = pbc & np.any(cell != 0, axis=1)
     if not periodic.any():
         return np.zeros((1, 3))
-    reciprocal = np.linalg.pinv(cell[periodic]).T  # rows: dual of the periodic vectors
-    reach = np.ceil(cutoff * np.linalg.norm(reciprocal, axis=1)).astype(int)
     ranges = [np.arange(-n, n + 1) for n in reach]
     integers = np.stack(np.meshgrid(*ranges, indexing="ij"), axis=-1).reshape(
         -1, len(reach)

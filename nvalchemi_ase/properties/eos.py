@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import ase.io
 import numpy as np
 from ase import Atoms, units
 from ase.calculators.singlepoint import SinglePointCalculator
 from ase.eos import EquationOfState, eos_names
 
+from nvalchemi_ase.io_safe import write_frames
 from nvalchemi_ase.properties._common import (
     FIXED_CELL_OPTIMIZERS,
     VARIABLE_CELL_OPTIMIZERS,
@@ -143,7 +143,7 @@ class EOSResult(MaterialResult):
                 f"material {self.index} ({self.formula}) has no EOS frames to "
                 f"write: {self.error or 'it was not computed'}"
             )
-        ase.io.write(os.fspath(filename), self.frames, format=format)
+        write_frames(os.fspath(filename), self.frames, format=format)
 
 
 def equation_of_state(

@@ -363,8 +363,9 @@ def _chunks(
     chunk: list[_Entry] = []
     used = np.zeros(4)
     for index, atoms in numbered:
-        cost = budget.cost(atoms)
-        reason = budget.refusal(cost) or admission(atoms)
+        reason = admission(atoms)  # the calculator's checks before any sizing
+        cost = budget.cost(atoms) if reason is None else np.zeros(4)
+        reason = reason or budget.refusal(cost)
         if reason is None and chunk and not budget.fits(used, cost):
             yield chunk
             chunk, used = [], np.zeros(4)

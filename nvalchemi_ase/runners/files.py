@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nvalchemi_ase.io_safe import decoded_frame, encoded_frame
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -311,7 +313,7 @@ class Sink:
                 frame.info["job_input"] = digest
             frame.info["job_model"] = self.job.model
             frame.info["job_run"] = self.job.run
-        write(text, frame, format="extxyz")
+        write(text, encoded_frame(frame), format="extxyz")  # every frame reads back
         handle.write(text.getvalue())  # one write per frame
         handle.flush()
 
@@ -501,7 +503,7 @@ def read_frames(path: Path) -> list[Atoms]:
 
     if not path.exists() or path.stat().st_size == 0:
         return []
-    frames = list(iread(path, index=":", format="extxyz"))
+    frames = [decoded_frame(a) for a in iread(path, index=":", format="extxyz")]
     for atoms in frames:
         for key in JOB_KEYS:
             atoms.info.pop(key, None)

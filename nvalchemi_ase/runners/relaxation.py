@@ -408,7 +408,8 @@ class _Queue:
                 continue
             slot = self._slot(index, atoms)
             reason = self._budget.refusal(slot.cost)
-            if reason is not None:
+            if reason is not None:  # the calculator's reason first, if it has one
+                reason = self._admission(working) or reason
                 self.refused.append((slot, reason))
                 continue
             self._next = slot
