@@ -88,6 +88,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FROZEN_CATEGORY",
+    "MAX_ATOMIC_NUMBER",
     "MAX_PERIODIC_IMAGES",
     "MIN_DISTANCE",
     "NotCarriedWarning",
@@ -134,7 +135,8 @@ _CARRIED_ARRAYS = frozenset(
     {"numbers", "positions", "momenta", "masses", "initial_charges", "tags"}
 )
 _CARRIED_INFO = frozenset({"charge", "spin"})
-_MAX_ATOMIC_NUMBER = 118
+#: Largest atomic number a structure may hold (oganesson).
+MAX_ATOMIC_NUMBER = 118
 _ATOM_VECTORS = frozenset({"positions", "velocities", "forces"})
 
 
@@ -577,7 +579,7 @@ def _check_atoms_fields(
             f"is not finite ({positions[bad[0]].tolist()})",
             "fix or remove that structure; nothing was computed",
         )
-    bad = np.flatnonzero((numbers < 1) | (numbers > _MAX_ATOMIC_NUMBER))
+    bad = np.flatnonzero((numbers < 1) | (numbers > MAX_ATOMIC_NUMBER))
     if bad.size:
         structure, atom = _structure_of(int(bad[0]), ptr)
         raise StructureError(
@@ -1194,8 +1196,8 @@ def _supported_elements(model: Any) -> frozenset[int] | None:
 
 
 def _check_elements(stacked: _Stacked, elements: frozenset[int], name: str) -> None:
-    known = np.zeros(_MAX_ATOMIC_NUMBER + 1, dtype=bool)
-    known[[z for z in elements if 0 <= z <= _MAX_ATOMIC_NUMBER]] = True
+    known = np.zeros(MAX_ATOMIC_NUMBER + 1, dtype=bool)
+    known[[z for z in elements if 0 <= z <= MAX_ATOMIC_NUMBER]] = True
     bad = np.flatnonzero(~known[stacked.numbers_v])
     if not bad.size:
         return
@@ -1216,7 +1218,7 @@ def _check_elements(stacked: _Stacked, elements: frozenset[int], name: str) -> N
 
 def _element_ranges(elements: frozenset[int]) -> str:
     """``"H-Ar, K"``: runs of consecutive atomic numbers as symbol ranges."""
-    numbers = sorted(z for z in elements if 1 <= z <= _MAX_ATOMIC_NUMBER)
+    numbers = sorted(z for z in elements if 1 <= z <= MAX_ATOMIC_NUMBER)
     runs: list[list[int]] = []
     for z in numbers:
         if runs and z == runs[-1][-1] + 1:
@@ -1580,12 +1582,16 @@ def _to_numpy(tensor: torch.Tensor) -> npt.NDArray[Any]:
 
 
 def batch_field(batch: Batch, key: str) -> torch.Tensor | None:
-    """Return ``batch.<key>`` or ``None`` when the batch has no such field.
+    """Return ``batch.<key>`` or ``None`` when the batch has no such tensor field.
+
+    The one lookup of an optional field (the write-back, the models, the
+    failure guard): a field the batch does not hold, or one that is not a
+    tensor, is ``None``.
 
     Parameters
     ----------
     batch : nvalchemi.data.Batch
-        Any batch.
+        Any batch (or ``AtomicData``).
     key : str
         Field name.
 
@@ -1594,9 +1600,7 @@ def batch_field(batch: Batch, key: str) -> torch.Tensor | None:
     torch.Tensor or None
         The stored tensor (not a copy).
     """
-    if key not in batch:
-        return None
-    value = batch[key]
+    value = getattr(batch, key, None)
     return value if isinstance(value, torch.Tensor) else None
 
 
