@@ -444,7 +444,7 @@ def seed_neighbor_hook(
     test) for the batch the hook will see. Its first call keeps the rows of
     every system whose atoms are within ``skin / 2`` of ``reference`` and
     builds the others (nvalchemi's per-system ``rebuild_flags``), then checks
-    K as after any first build; K never drops below the seed's.
+    K as after any first build; K never drops below that of the lists given.
     """
     _set_hook_lists(hook, matrix, num_neighbors, shifts)
     hook._ref_positions = reference

@@ -326,7 +326,7 @@ class RelaxThenMD(BatchedDynamics):
         self.attach(internal(self._write_log), self.loginterval, log)
 
     def _write_log(self, log: Any) -> None:
-        from ase import units
+        from nvalchemi_ase.units import ase_time_to_ps
 
         thermo = self.per_structure_thermo()
         stage = self.stage
@@ -335,7 +335,7 @@ class RelaxThenMD(BatchedDynamics):
         log.write(
             "%-10.4f %6d %6d %6d %12.6f %8.1f\n"
             % (
-                self.get_time() / (1000 * units.fs),
+                ase_time_to_ps(self.get_time()),
                 int((stage == RELAXING).sum()),
                 int(in_md.sum()),
                 int((stage >= FINISHED).sum()),

@@ -469,7 +469,7 @@ class RelaxThenMDPipeline:
 
     def _write_log(self, log: Any, pipeline: Any, rank: int) -> None:
         """One line: this rank's structures after pipeline iteration ``nsteps``."""
-        from ase import units
+        from nvalchemi_ase.units import ase_time_to_ps
 
         batch = pipeline.stages[rank].active_batch
         rows = 0 if batch is None else int(batch.num_graphs)
@@ -496,7 +496,7 @@ class RelaxThenMDPipeline:
             first = "%-9d" % self.nsteps
             counts = (rows, len(self.images) - rows)
         else:
-            first = "%-9.4f" % (self.nsteps * self.md.dt / (1000 * units.fs))
+            first = "%-9.4f" % ase_time_to_ps(self.nsteps * self.md.dt)
             counts = (rows, sum(int(done.num_graphs) for done in self._finished))
         log.write("%s %6d %6d %12.6f %10.4f\n" % (first, *counts, epot, last))
 

@@ -43,6 +43,7 @@ __all__ = [
     "KB_EV_NVALCHEMI",
     "ase_rate_to_per_fs",
     "ase_time_to_fs",
+    "ase_time_to_ps",
     "fs_to_ase_time",
     "kinetic_temperature_K",
     "momenta_to_velocities",
@@ -84,6 +85,22 @@ def ase_time_to_fs(time: Scalar) -> Scalar:
         ``barostat_time``) expect.
     """
     return time * FS_PER_ASE_TIME
+
+
+def ase_time_to_ps(time: Scalar) -> Scalar:
+    """Convert a time from ASE time units to picoseconds (MD logs and plots).
+
+    Parameters
+    ----------
+    time : float or numpy.ndarray
+        Time in ASE units.
+
+    Returns
+    -------
+    float or numpy.ndarray
+        Time in ps: ``time / (1000 * ase.units.fs)``.
+    """
+    return time / (1000 * ase_units.fs)
 
 
 def fs_to_ase_time(time_fs: Scalar) -> Scalar:

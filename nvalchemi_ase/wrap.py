@@ -43,8 +43,8 @@ def md_class(
     timestep_unit : {"fs", "ase"}
         What the engine's time step means: ``"fs"`` for femtoseconds (nvalchemi's
         integrators), ``"ase"`` for the internal unit the kernels use directly
-        (the ASE time unit, e.g. the seed's ``VelocityVerlet`` example, which
-        adds ``velocities * dt`` to positions).
+        (the ASE time unit, e.g. the Velocity Verlet example of nvalchemi's
+        dynamics guide, which adds ``velocities * dt`` to positions).
     timestep_argument : str
         Name of the engine's time-step parameter.
     name : str, optional

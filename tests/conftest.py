@@ -96,6 +96,14 @@ def lj_calc32():
 
 
 @pytest.fixture(scope="session")
+def smooth_lj():
+    """LJ argon with a C2 switch (float64): energy-conserving MD."""
+    from nvalchemi_ase import NVAlchemiCalculator
+
+    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
+
+
+@pytest.fixture(scope="session")
 def calc_by_dtype(lj_calc64, lj_calc32):
     import torch
 

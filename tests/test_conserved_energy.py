@@ -29,11 +29,6 @@ AGREEMENT_EV = 5e-4
 SECOND_ORDER_MIN_RATIO = 3.0  # error ratio when dt halves (measured 4.0)
 
 
-@pytest.fixture(scope="module")
-def smooth_lj():
-    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
-
-
 def _structures():
     small = thermalize(rattled_bulk(repeat=2, seed=1), T_START, seed=5)
     large = thermalize(rattled_bulk(repeat=2, seed=2).repeat((1, 1, 2)), T_START, 6)

@@ -13,6 +13,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 from ase.constraints import FixAtoms, FixBondLength
 
 import nvalchemi_ase.convert as convert_module
+from nvalchemi_ase._compat import frozen_category
 from nvalchemi_ase.convert import (
     FROZEN_CATEGORY,
     NotCarriedWarning,
@@ -296,6 +297,7 @@ def test_frozen_atoms_become_nvalchemis_frozen_category():
     batch = atoms_to_batch(atoms, device="cpu")
     frozen = (batch.atom_categories == FROZEN_CATEGORY).numpy()
     np.testing.assert_array_equal(frozen, atoms.positions[:, 2] < 2.0)
+    assert frozen_category() == FROZEN_CATEGORY  # the one nvalchemi freezes
 
 
 def test_ten_thousand_structures_convert_in_one_pass():

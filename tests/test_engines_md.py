@@ -1,4 +1,8 @@
-"""Bussi, NVT Berendsen and Andersen engines; the seed's VelocityVerlet from ASE.
+"""Bussi, NVT Berendsen and Andersen engines; nvalchemi's guide's Verlet from ASE.
+
+The guide's engine is ``tests/seed_velocity_verlet.py`` (the "Complete example:
+Velocity Verlet" of nvalchemi's dynamics guide, pasted verbatim), run through
+``nvalchemi_ase.wrap``.
 
 Degrees of freedom: temperatures are ASE's kinetic temperatures, 2 E_kin / (N_f
 k_B) with N_f = 3 × (atoms not fixed). Bussi's thermostat uses the same N_f, so
@@ -37,12 +41,6 @@ FIXCM_MEAN_RTOL = 0.015
 DRIFT_EV_PER_ATOM = 1e-4  # total-energy drift over 1 ps, smooth LJ, 1 fs
 CONSERVED_EV_PER_ATOM = 1e-5  # Bussi's E_tot - transferred energy, 150 fs
 T0 = 100.0  # K
-
-
-@pytest.fixture(scope="module")
-def smooth_lj():
-    """LJ argon with a C2 switch: energy-conserving MD."""
-    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
 
 
 def thermal_batch(count, calc, temperature=T0, repeat=2):
@@ -239,7 +237,7 @@ def test_graphs_past_exit_status_keep_positions_velocities_and_state(lj_calc64):
     assert energy[0] != 0.0
 
 
-# -- the seed's VelocityVerlet through nvalchemi_ase.wrap ----------------------------
+# -- nvalchemi's guide's Verlet (tests/seed_velocity_verlet.py) through wrap ---------
 
 
 @pytest.mark.slow

@@ -23,12 +23,6 @@ from tests.structures import cluster, rattled_bulk, slab, thermalize
 VERLET_POSITION_TOL = 1e-10  # Å after 200 steps, float64 (measured ~1e-14: round-off)
 
 
-@pytest.fixture(scope="module")
-def smooth_lj():
-    """LJ argon with a C2 switch: energy-conserving MD."""
-    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
-
-
 @pytest.mark.slow  # 200 batched steps, then 4 x 200 single-structure ASE steps
 def test_velocity_verlet_matches_ase_for_each_structure_of_a_batch(lj_calc64):
     images = [

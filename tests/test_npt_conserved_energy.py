@@ -44,11 +44,6 @@ OUR_ORDER_RATIO = (1.6, 2.6)
 ASE_MIN_RATIO = 3.0
 
 
-@pytest.fixture(scope="module")
-def smooth_lj():
-    return NVAlchemiCalculator("lj", device="cpu", dtype="float64", switch_width=1.5)
-
-
 def _argon(seed: int = 0):
     return thermalize(bulk("Ar", "fcc", a=A_AR, cubic=True) * (2, 2, 2), T_K, seed)
 

@@ -116,6 +116,20 @@ def test_phonons_write_json_phonopy_yaml_and_plot(tmp_path, inputs):
     )
 
 
+def test_phonons_take_one_supercell_integer_as_n_n_n(tmp_path, inputs):
+    pytest.importorskip("phonopy")
+    results = {}
+    for supercell in (["2"], ["2", "2", "2"]):
+        out = tmp_path / "x".join(supercell)
+        argv = ["phonons", inputs[1], "--supercell", *supercell, "--no-dos"]
+        argv += ["--band-path", "none", "--file-prefix", f"{out}/", *LJ]
+        assert main(argv) == 0
+        results[len(supercell)] = json.loads((out / "hcp-phonons.json").read_text())
+    assert results[1]["supercell_matrix"] == (2 * np.eye(3, dtype=int)).tolist()
+    assert results[1]["supercell_matrix"] == results[3]["supercell_matrix"]
+    assert results[1]["gamma_frequencies"] == results[3]["gamma_frequencies"]
+
+
 def test_shape_relaxation_runs_from_the_command_line(tmp_path, inputs):
     code = main(
         ["eos", inputs[1], "--relax", "shape", "--file-prefix", f"{tmp_path}/", *LJ]

@@ -19,7 +19,8 @@ MSD Å², D Å²/fs (``DiffusionResult.diffusion_cm2_s`` for cm²/s).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -38,6 +39,7 @@ from nvalchemi_ase.analysis.unwrap import unwrap_positions
 
 __all__ = [
     "DEFAULT_FIT_FRACTIONS",
+    "diffusion_of_each",
     "einstein_diffusion",
     "mean_squared_displacement",
     "resolve_lengths",
@@ -109,20 +111,57 @@ def mean_squared_displacement(
     list of DiffusionResult
         One per structure, in input order (``method="msd"``).
     """
+    return diffusion_of_each(
+        trajectories,
+        frame_interval,
+        window,
+        block_length,
+        lambda index, frames, lags, blocks: _msd_sums(
+            frames, lags, blocks, remove_drift
+        ),
+        partial(einstein_diffusion, fit_window_fs=fit_window_fs),
+    )
+
+
+def diffusion_of_each(
+    trajectories: Sequence[FramesLike],
+    frame_interval: float | Sequence[float | None] | None,
+    window: int | None,
+    block_length: int | None,
+    sums_of: Callable[[int, Frames, int, int], LagSums],
+    estimate: Callable[..., DiffusionResult],
+) -> list[DiffusionResult]:
+    """D of every structure: its lag sums, then its estimate with block errors.
+
+    Parameters
+    ----------
+    trajectories, frame_interval, window, block_length
+        As :func:`mean_squared_displacement`.
+    sums_of : callable
+        ``(index, frames, window, block_length) -> LagSums`` of one structure's
+        element groups.
+    estimate : callable
+        ``(sums, symbols, sizes, frame_interval, block_length, label=)`` ->
+        DiffusionResult (:func:`einstein_diffusion`, Green–Kubo's).
+
+    Returns
+    -------
+    list of DiffusionResult
+        One per structure, in input order.
+    """
     results = []
-    for frames in load_trajectories(trajectories, frame_interval):
-        sample_window, blocks = resolve_lengths(frames.n_frames, window, block_length)
-        sums = _msd_sums(frames, sample_window, blocks, remove_drift)
+    for index, frames in enumerate(load_trajectories(trajectories, frame_interval)):
+        lags, blocks = resolve_lengths(frames.n_frames, window, block_length)
+        sums = sums_of(index, frames, lags, blocks)
         groups = element_groups([frames.numbers])
         results.append(
-            einstein_diffusion(
+            estimate(
                 sums,
                 groups.symbol,
                 groups.size,
-                frames.frame_interval,  # type: ignore[arg-type]
+                frames.frame_interval,
                 blocks,
                 label=frames.label,
-                fit_window_fs=fit_window_fs,
             )
         )
     return results

@@ -35,6 +35,8 @@ failure step describe a frozen structure.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,7 +44,7 @@ import torch
 from ase import units
 
 from nvalchemi_ase.analysis._groups import element_groups, subtract_center_of_mass
-from nvalchemi_ase.analysis.correlation import WindowedLagSums
+from nvalchemi_ase.analysis.correlation import LagSums, WindowedLagSums
 from nvalchemi_ase.analysis.diffusion import DiffusionResult
 from nvalchemi_ase.analysis.msd import einstein_diffusion
 from nvalchemi_ase.analysis.rdf import (
@@ -256,20 +258,10 @@ class TransportObserver(_BatchObserver):
             One per structure (``method="msd"``), as
             :func:`~nvalchemi_ase.analysis.msd.mean_squared_displacement`.
         """
-        sums = self._msd.result()
-        interval = self.sample_interval()
-        return [
-            einstein_diffusion(
-                sums.select(torch.as_tensor(groups, device=sums.total.device)),
-                [self.groups.symbol[g] for g in groups],
-                self.groups.size[groups],
-                interval,
-                self.block_length,
-                label=label,
-                fit_window_fs=fit_window_fs,
-            )
-            for groups, label in self._structure_groups()
-        ]
+        return self._per_structure(
+            self._msd.result(),
+            partial(einstein_diffusion, fit_window_fs=fit_window_fs),
+        )
 
     def vacf(self, *, integrate_to_fs: float | None = None) -> list[DiffusionResult]:
         """VACF and Green–Kubo D of every structure so far.
@@ -285,17 +277,24 @@ class TransportObserver(_BatchObserver):
             One per structure (``method="vacf"``), as
             :func:`~nvalchemi_ase.analysis.vacf.velocity_autocorrelation`.
         """
-        sums = self._vacf.result()
+        return self._per_structure(
+            self._vacf.result(),
+            partial(green_kubo_diffusion, integrate_to_fs=integrate_to_fs),
+        )
+
+    def _per_structure(
+        self, sums: LagSums, estimate: Callable[..., DiffusionResult]
+    ) -> list[DiffusionResult]:
+        """``estimate`` on each structure's element groups of ``sums``."""
         interval = self.sample_interval()
         return [
-            green_kubo_diffusion(
+            estimate(
                 sums.select(torch.as_tensor(groups, device=sums.total.device)),
                 [self.groups.symbol[g] for g in groups],
                 self.groups.size[groups],
                 interval,
                 self.block_length,
                 label=label,
-                integrate_to_fs=integrate_to_fs,
             )
             for groups, label in self._structure_groups()
         ]

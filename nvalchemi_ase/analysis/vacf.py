@@ -16,6 +16,7 @@ times fs, D Å²/fs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
@@ -29,8 +30,8 @@ from nvalchemi_ase.analysis.diffusion import (
     block_standard_error,
     per_atom_curves,
 )
-from nvalchemi_ase.analysis.frames import Frames, FramesLike, load_trajectories
-from nvalchemi_ase.analysis.msd import resolve_lengths
+from nvalchemi_ase.analysis.frames import Frames, FramesLike
+from nvalchemi_ase.analysis.msd import diffusion_of_each
 
 __all__ = [
     "cumulative_trapezoid",
@@ -73,33 +74,26 @@ def velocity_autocorrelation(
     list of DiffusionResult
         One per structure, in input order (``method="vacf"``).
     """
-    results = []
-    for index, frames in enumerate(load_trajectories(trajectories, frame_interval)):
-        if frames.velocities is None:
-            raise ValueError(
-                f"trajectories[{index}] ({frames.label}): frames without momenta; "
-                "the VACF needs velocities (MD trajectories store them)"
-            )
-        sample_window, blocks = resolve_lengths(frames.n_frames, window, block_length)
-        sums = _vacf_sums(frames, sample_window, blocks, remove_drift)
-        groups = element_groups([frames.numbers])
-        results.append(
-            green_kubo_diffusion(
-                sums,
-                groups.symbol,
-                groups.size,
-                frames.frame_interval,  # type: ignore[arg-type]
-                blocks,
-                label=frames.label,
-                integrate_to_fs=integrate_to_fs,
-            )
-        )
-    return results
+    return diffusion_of_each(
+        trajectories,
+        frame_interval,
+        window,
+        block_length,
+        lambda index, frames, lags, blocks: _vacf_sums(
+            index, frames, lags, blocks, remove_drift
+        ),
+        partial(green_kubo_diffusion, integrate_to_fs=integrate_to_fs),
+    )
 
 
 def _vacf_sums(
-    frames: Frames, window: int, block_length: int, remove_drift: bool
+    index: int, frames: Frames, window: int, block_length: int, remove_drift: bool
 ) -> LagSums:
+    if frames.velocities is None:
+        raise ValueError(
+            f"trajectories[{index}] ({frames.label}): frames without momenta; "
+            "the VACF needs velocities (MD trajectories store them)"
+        )
     groups = element_groups([frames.numbers])
     velocities = torch.as_tensor(frames.velocities) * units.fs  # Å/fs
     if remove_drift:

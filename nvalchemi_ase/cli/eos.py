@@ -19,8 +19,9 @@ others finish, and the exit status is 1.
 Files are written as NAME.partial.EXT and renamed when the run completes;
 existing outputs are replaced only with --overwrite.
 
-This module also holds what the three property commands (eos, elastic,
-phonons) share: options, output naming, the summary and the run itself.
+This module also holds what the property commands (eos, elastic, phonons,
+qha, kappa, surface, defect) share: options, output naming, the summary and the
+run itself.
 """
 
 from __future__ import annotations
@@ -42,18 +43,24 @@ __all__ = [
     "DEFAULT_PREFIX",
     "PropertyCommand",
     "add_arguments",
+    "add_optimizer_arguments",
+    "add_phonopy_arguments",
     "add_property_arguments",
+    "add_relaxation_arguments",
+    "add_relaxation_limits",
+    "add_supercell_argument",
     "material_names",
     "output_path",
     "run",
     "run_property_command",
+    "supercell_value",
 ]
 
 #: Where results go unless --file-prefix says otherwise.
 DEFAULT_PREFIX = "nvalchemi-ase-results/"
 
 
-# -- shared by eos, elastic and phonons --------------------------------------------
+# -- shared by the property commands ------------------------------------------
 
 
 def add_relaxation_arguments(
@@ -68,41 +75,163 @@ def add_relaxation_arguments(
     default_fmax : float
         Default force threshold of the relaxations, eV/Å.
     """
-    from nvalchemi_ase.cli.common import positive_float, positive_int
-    from nvalchemi_ase.properties._common import (
-        FIXED_CELL_OPTIMIZERS,
-        VARIABLE_CELL_OPTIMIZERS,
-    )
-
     parser.add_argument(
         "--relax-first",
         action="store_true",
         help="relax cell and ions of every material first (FrechetCellFilter)",
     )
+    add_relaxation_limits(parser, default_fmax=default_fmax)
+    add_optimizer_arguments(parser, cell="--relax-first")
+
+
+def add_relaxation_limits(
+    parser: argparse.ArgumentParser,
+    *,
+    default_fmax: float,
+    relaxations: str = "the relaxations",
+    each: str = "each batched relaxation",
+) -> None:
+    """Register ``--fmax`` (eV/Å) and ``--steps`` (default 1000).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The subcommand's parser.
+    default_fmax : float
+        Default force threshold, eV/Å.
+    relaxations, each : str
+        What the help calls the relaxations (``--fmax``) and one of them
+        (``--steps``).
+    """
+    from nvalchemi_ase.cli.common import positive_float, positive_int
+
     parser.add_argument(
         "--fmax",
         type=positive_float,
         default=default_fmax,
-        help=f"force threshold of the relaxations, eV/Å (default: {default_fmax:g})",
+        help=f"force threshold of {relaxations}, eV/Å (default: {default_fmax:g})",
     )
     parser.add_argument(
         "--steps",
         type=positive_int,
         default=1000,
-        help="step limit of each batched relaxation (default: 1000)",
+        help=f"step limit of {each} (default: 1000)",
     )
-    parser.add_argument(
-        "--optimizer",
-        choices=FIXED_CELL_OPTIMIZERS,
-        default="FIRE",
-        help="ion optimizer (default: FIRE)",
+
+
+def add_optimizer_arguments(
+    parser: argparse.ArgumentParser, *, cell: str, ions: bool = True
+) -> None:
+    """Register ``--optimizer`` (with ``ions``) and ``--cell-optimizer``.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The subcommand's parser.
+    cell : str
+        The relaxation the cell optimizer runs, as the help names it.
+    ions : bool
+        Whether the command relaxes ions at fixed cell too (``--optimizer``).
+    """
+    from nvalchemi_ase.properties._common import (
+        FIXED_CELL_OPTIMIZERS,
+        VARIABLE_CELL_OPTIMIZERS,
     )
+
+    if ions:
+        parser.add_argument(
+            "--optimizer",
+            choices=FIXED_CELL_OPTIMIZERS,
+            default="FIRE",
+            help="ion optimizer (default: FIRE)",
+        )
     parser.add_argument(
         "--cell-optimizer",
         choices=VARIABLE_CELL_OPTIMIZERS,
         default="FIRE2",
-        help="optimizer of --relax-first (default: FIRE2)",
+        help=f"optimizer of {cell} (default: FIRE2)",
     )
+
+
+def add_phonopy_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    displacement: float,
+    mesh: list[int],
+    mesh_help: str,
+) -> None:
+    """Register ``--displacement``, ``--mesh`` and ``--primitive`` (phonopy's).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The subcommand's parser.
+    displacement : float
+        Default displacement amplitude, Å.
+    mesh : list of int
+        Default q-mesh (3 integers).
+    mesh_help : str
+        What the mesh is for; the help adds the default after it.
+    """
+    from nvalchemi_ase.cli.common import positive_float, positive_int
+
+    parser.add_argument(
+        "--displacement",
+        type=positive_float,
+        default=displacement,
+        help=f"displacement amplitude, Å (default: {displacement:g})",
+    )
+    parser.add_argument(
+        "--mesh",
+        type=positive_int,
+        nargs=3,
+        default=mesh,
+        metavar="N",
+        help=mesh_help.format(default=" ".join(map(str, mesh))),
+    )
+    parser.add_argument(
+        "--primitive",
+        choices=("auto", "P"),
+        default="auto",
+        help="primitive cell: found by symmetry (auto) or the input cell (P)",
+    )
+
+
+def add_supercell_argument(
+    parser: argparse.ArgumentParser, name: str, default: list[int] | None, what: str
+) -> None:
+    """Register a ``--supercell``-like option of 1, 3 or 9 integers."""
+    parser.add_argument(
+        name,
+        type=int,
+        nargs="+",
+        default=default,
+        metavar="N",
+        help=f"{what}: 1, 3 or 9 integers"
+        + (f" (default: {' '.join(map(str, default))})" if default else ""),
+    )
+
+
+def supercell_value(values: list[int] | None, option: str) -> Any:
+    """1, 3 or 9 integers as phonopy's supercell; None stays None.
+
+    Raises
+    ------
+    CommandError
+        If there are not 1, 3 or 9 integers (naming ``option``).
+    """
+    import numpy as np
+
+    from nvalchemi_ase.cli.common import CommandError
+
+    if values is None:
+        return None
+    if len(values) not in (1, 3, 9):
+        raise CommandError(f"{option} takes 1, 3 or 9 integers, got {len(values)}")
+    array = np.array(values)
+    if array.size == 1:
+        return int(array[0])
+    return array.reshape(3, 3) if array.size == 9 else array
 
 
 def add_property_arguments(parser: argparse.ArgumentParser, *, plots: bool) -> None:

@@ -28,8 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from nvalchemi_ase.cli.eos import (
     PropertyCommand,
+    add_optimizer_arguments,
+    add_phonopy_arguments,
     add_property_arguments,
+    add_relaxation_limits,
+    add_supercell_argument,
     run_property_command,
+    supercell_value,
 )
 
 if TYPE_CHECKING:
@@ -38,41 +43,9 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "run"]
 
 
-def add_supercell_argument(
-    parser: argparse.ArgumentParser, name: str, default: list[int] | None, what: str
-) -> None:
-    """Register a ``--supercell``-like option of 1, 3 or 9 integers."""
-    parser.add_argument(
-        name,
-        type=int,
-        nargs="+",
-        default=default,
-        metavar="N",
-        help=f"{what}: 1, 3 or 9 integers"
-        + (f" (default: {' '.join(map(str, default))})" if default else ""),
-    )
-
-
-def supercell_value(values: list[int] | None, option: str) -> Any:
-    """1, 3 or 9 integers as phonopy's supercell; None stays None."""
-    import numpy as np
-
-    from nvalchemi_ase.cli.common import CommandError
-
-    if values is None:
-        return None
-    if len(values) not in (1, 3, 9):
-        raise CommandError(f"{option} takes 1, 3 or 9 integers, got {len(values)}")
-    array = np.array(values)
-    if array.size == 1:
-        return int(array[0])
-    return array.reshape(3, 3) if array.size == 9 else array
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``kappa`` options."""
-    from nvalchemi_ase.cli.common import positive_float, positive_int
-    from nvalchemi_ase.properties._common import VARIABLE_CELL_OPTIMIZERS
+    from nvalchemi_ase.cli.common import positive_float
     from nvalchemi_ase.properties.kappa import (
         ACOUSTIC_TOLERANCE,
         FORCE_SUM_TOLERANCE,
@@ -87,13 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         None,
         "a separate, larger supercell for FC2 (default: the FC3 one)",
     )
-    parser.add_argument(
-        "--mesh",
-        type=positive_int,
-        nargs=3,
-        default=[11, 11, 11],
-        metavar="N",
-        help="q-mesh of the BTE (default: 11 11 11)",
+    add_phonopy_arguments(
+        parser,
+        displacement=0.03,
+        mesh=[11, 11, 11],
+        mesh_help="q-mesh of the BTE (default: {default})",
     )
     parser.add_argument(
         "--temperatures",
@@ -102,12 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[300.0],
         metavar="T",
         help="temperatures, K (default: 300)",
-    )
-    parser.add_argument(
-        "--displacement",
-        type=positive_float,
-        default=0.03,
-        help="displacement amplitude, Å (default: 0.03)",
     )
     parser.add_argument(
         "--method",
@@ -123,34 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--isotope", action="store_true", help="add isotope scattering")
     parser.add_argument(
-        "--primitive",
-        choices=("auto", "P"),
-        default="auto",
-        help="primitive cell: found by symmetry (auto) or the input cell (P)",
-    )
-    parser.add_argument(
         "--no-relax",
         action="store_true",
         help="use the inputs as given (default: relax cell and ions first)",
     )
-    parser.add_argument(
-        "--fmax",
-        type=positive_float,
-        default=1e-3,
-        help="force threshold of the relaxation, eV/Å (default: 0.001)",
+    add_relaxation_limits(
+        parser, default_fmax=1e-3, relaxations="the relaxation", each="the relaxation"
     )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=1000,
-        help="step limit of the relaxation (default: 1000)",
-    )
-    parser.add_argument(
-        "--cell-optimizer",
-        choices=VARIABLE_CELL_OPTIMIZERS,
-        default="FIRE2",
-        help="optimizer of the relaxation (default: FIRE2)",
-    )
+    add_optimizer_arguments(parser, cell="the relaxation", ions=False)
     parser.add_argument(
         "--force-sum-tolerance",
         type=positive_float,

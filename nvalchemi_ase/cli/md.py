@@ -66,14 +66,8 @@ STOPS_ON_SIGNALS = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``md`` options."""
-    from nvalchemi_ase.cli.common import (
-        add_batching_options,
-        add_model_options,
-        add_overwrite_option,
-        add_resume_option,
-        positive_float,
-        positive_int,
-    )
+    from nvalchemi_ase.cli.common import positive_float, positive_int
+    from nvalchemi_ase.cli.runs import add_run_options
 
     parser.add_argument("files", nargs="+", help="structure files (globs, file@slice)")
     parser.add_argument(
@@ -146,35 +140,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write md.png: energy, temperature and pressure of every structure "
         "run by this command",
     )
-    add_overwrite_option(parser)
-    add_resume_option(parser, checkpoints=True)
-    add_model_options(parser)
-    add_batching_options(parser)
+    add_run_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run MD batch by batch and write trajectories, logs and final structures."""
     from ase import units
 
-    from nvalchemi_ase.cli.batching import scan_inputs
-    from nvalchemi_ase.cli.common import (
-        CommandError,
-        build_calculator,
-        expand_inputs,
-        result_properties,
-        say,
-        show_progress,
-    )
-    from nvalchemi_ase.cli.outputs import OutputFiles, write_failure_table
-    from nvalchemi_ase.cli.runs import (
-        RunState,
-        claimed_checkpoint,
-        on_root,
-        remove_stale_checkpoint_writes,
-        report_failure,
-        resumed,
-        series_of_every_rank,
-    )
+    from nvalchemi_ase.cli.common import CommandError, say
+    from nvalchemi_ase.cli.runs import run_structures, staged_outputs
     from nvalchemi_ase.runners import imd
 
     temperature = temperature_schedule(args.temperature, args.steps)
@@ -182,64 +156,34 @@ def run(args: argparse.Namespace) -> int:
     if kelvins < 0:
         raise CommandError(f"--temperature must be >= 0 K, got {args.temperature}")
     start_K = args.temperature if temperature is None else float(temperature(0))
-    args.resume = args.resume or args.restart  # --restart is --resume and more
-    inputs = expand_inputs(args.files)
-    outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
+    inputs, outputs = staged_outputs(args)
     folder = Path(args.output_dir)
-    files = _Files(outputs, folder, plot=args.plot, ranks=_ranks(args))  # first
-    calc = build_calculator(args)  # configuration errors next, before reading
-    scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
-    trajectory = _claim_trajectories(outputs, folder, len(scanned))
-    done = resumed(args, files.final, files.failed, scanned)
-    state = RunState(
-        outputs, scanned, done=done, signals=getattr(args, "signals", None)
-    )
-    args.run_state = state
-    checkpoint = claimed_checkpoint(folder / CHECKPOINT_NAME, args)
-    folder.mkdir(parents=True, exist_ok=True)
+    files = _Files(
+        outputs, folder, plot=args.plot, ranks=_ranks(args), ensemble=args.ensemble
+    )  # first
     dynamics, parameters = _dynamics(args)
-    series: dict[int, Any] | None = {} if args.plot else None
-    with state.running(deferred=True):
-        for _, atoms in imd(
-            _thermalized(inputs, start_K, args.seed),
-            calc,
-            dynamics=dynamics,
-            timestep=args.timestep * units.fs,
-            steps=args.steps,
-            max_atoms=args.max_atoms,
-            max_structures=scanned.budget.max_structures,
-            properties=result_properties(calc),
-            output=files.final,
-            failures=files.failed,
-            resume=args.resume,
-            trajectory=trajectory,
-            logfile=files.log,
-            loginterval=args.interval,
-            series=series,
-            progress=show_progress(args),
-            restart=checkpoint,
-            restart_interval=args.checkpoint_every,
-            stop=state.signals,
-            **parameters,
-        ):
-            state.done += 1
-            if atoms.info["failure"] is not None:
-                report_failure(args.command, atoms, files.failed_final)
-    series = series_of_every_rank(args, series)
-    if not on_root(args):
-        return 0  # rank 0 moves the merged outputs into place and prints
-    files.stage_rank_logs()
-    failed = write_failure_table(files.failed, files.table)
-    if files.plot is not None and series:
-        _plot(series, scanned.labels, files.plot, args.ensemble)
-    with state.finishing():  # a signal now waits: the run is complete
-        outputs.commit()
-    remove_stale_checkpoint_writes(checkpoint)
+    finished = run_structures(
+        args,
+        imd,
+        inputs,
+        outputs,
+        files,
+        lambda paths: _thermalized(paths, start_K, args.seed),
+        dynamics=dynamics,
+        timestep=args.timestep * units.fs,
+        steps=args.steps,
+        logfile=files.log,
+        loginterval=args.interval,
+        **parameters,
+    )
+    if finished is None:
+        return 0  # not rank 0
+    failed = finished.failed
     note = f"; {failed} failed (see {files.table_final})" if failed else ""
     say(
         args,
-        f"{len(scanned)} structures, {args.steps} steps of {args.timestep} fs "
-        f"({args.ensemble.upper()}){note}; outputs in {folder}/",
+        f"{len(finished.inputs)} structures, {args.steps} steps of {args.timestep} "
+        f"fs ({args.ensemble.upper()}){note}; outputs in {folder}/",
     )
     return 1 if failed else 0
 
@@ -253,11 +197,21 @@ class _Files:
     """
 
     def __init__(
-        self, outputs: OutputFiles, folder: Path, *, plot: bool, ranks: int = 1
+        self,
+        outputs: OutputFiles,
+        folder: Path,
+        *,
+        plot: bool,
+        ranks: int = 1,
+        ensemble: str = "nvt",
     ) -> None:
+        self.folder = folder
+        self.ensemble = ensemble
         self.failed_final = folder / "failed.extxyz"
         self.table_final = folder / "failures.csv"
-        self.final = outputs.claim(folder / "final.extxyz")
+        #: The checkpoint of the batch in flight (not staged: the runner removes it).
+        self.checkpoint = folder / CHECKPOINT_NAME
+        self.output = outputs.claim(folder / "final.extxyz")
         self.log = outputs.claim(folder / "md.log")
         self.rank_logs = [
             outputs.claim(folder / f"md.rank{rank}.log") for rank in range(1, ranks)
@@ -265,6 +219,24 @@ class _Files:
         self.failed = outputs.claim(self.failed_final)
         self.table = outputs.claim(self.table_final)
         self.plot = outputs.claim(folder / "md.png") if plot else None
+
+    def claim_trajectories(self, outputs: OutputFiles, count: int) -> str:
+        """Claim one trajectory per input structure; the runner's staged template."""
+        from nvalchemi_ase.cli.outputs import partial_name
+
+        for index in range(count):
+            outputs.claim(self.folder / f"md_{index:05d}.traj")
+        return str(partial_name(self.folder / "md_{i:05d}.traj"))
+
+    def finish(self, series: dict[int, Any] | None, labels: Sequence[str]) -> int:
+        """Stage the rank logs, write the failure table and plot; failures."""
+        from nvalchemi_ase.cli.outputs import write_failure_table
+
+        self.stage_rank_logs()
+        failed = write_failure_table(self.failed, self.table)
+        if self.plot is not None and series:
+            _plot(series, labels, self.plot, self.ensemble)
+        return failed
 
     def stage_rank_logs(self) -> None:
         """Move the logs of ranks 1.. from the runner's names to their staged ones."""
@@ -280,15 +252,6 @@ def _ranks(args: argparse.Namespace) -> int:
     """Ranks of this run (1 unless launched by ``torchrun``)."""
     shard = getattr(args, "shard", None)
     return 1 if shard is None else int(shard.size)
-
-
-def _claim_trajectories(outputs: OutputFiles, folder: Path, count: int) -> str:
-    """Claim one trajectory per input structure; the runner's staged template."""
-    from nvalchemi_ase.cli.outputs import partial_name
-
-    for index in range(count):
-        outputs.claim(folder / f"md_{index:05d}.traj")
-    return str(partial_name(folder / "md_{i:05d}.traj"))
 
 
 def _thermalized(

@@ -24,8 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from nvalchemi_ase.cli.eos import (
     PropertyCommand,
+    add_phonopy_arguments,
     add_property_arguments,
+    add_supercell_argument,
     run_property_command,
+    supercell_value,
 )
 
 if TYPE_CHECKING:
@@ -36,29 +39,16 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``phonons`` options."""
-    from nvalchemi_ase.cli.common import positive_float, positive_int
+    from nvalchemi_ase.cli.common import positive_int
 
-    parser.add_argument(
-        "--supercell",
-        type=int,
-        nargs="+",
-        default=[2, 2, 2],
-        metavar="N",
-        help="supercell of the input cell: 1, 3 or 9 integers (default: 2 2 2)",
+    add_supercell_argument(
+        parser, "--supercell", [2, 2, 2], "supercell of the input cell"
     )
-    parser.add_argument(
-        "--displacement",
-        type=positive_float,
-        default=0.01,
-        help="displacement amplitude, Å (default: 0.01)",
-    )
-    parser.add_argument(
-        "--mesh",
-        type=positive_int,
-        nargs=3,
-        default=[10, 10, 10],
-        metavar="N",
-        help="Γ-centred q-mesh for the DOS (default: 10 10 10)",
+    add_phonopy_arguments(
+        parser,
+        displacement=0.01,
+        mesh=[10, 10, 10],
+        mesh_help="Γ-centred q-mesh for the DOS (default: {default})",
     )
     parser.add_argument(
         "--no-dos", action="store_true", help="no mesh frequencies and no DOS"
@@ -75,33 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=101,
         help="q-points along the path (default: 101)",
     )
-    parser.add_argument(
-        "--primitive",
-        choices=("auto", "P"),
-        default="auto",
-        help="primitive cell: found by symmetry (auto) or the input cell (P)",
-    )
     add_property_arguments(parser, plots=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Compute, write and print the phonons."""
-    from nvalchemi_ase.cli.common import CommandError
     from nvalchemi_ase.properties.phonons import require_phonopy
 
     require_phonopy()  # before any work: names the extra to install
-    if len(args.supercell) not in (1, 3, 9):
-        raise CommandError(
-            f"--supercell takes 1, 3 or 9 integers, got {len(args.supercell)}"
-        )
+    supercell_value(args.supercell, "--supercell")
     return run_property_command(args, _COMMAND)
-
-
-def _supercell(args: argparse.Namespace) -> Any:
-    import numpy as np
-
-    values = np.array(args.supercell)
-    return values.reshape(3, 3) if values.size == 9 else values
 
 
 def _compute(args: argparse.Namespace, calc: Any, atoms: list[Any]) -> list[Any]:
@@ -110,7 +83,7 @@ def _compute(args: argparse.Namespace, calc: Any, atoms: list[Any]) -> list[Any]
     return phonons(
         atoms,
         calc,
-        supercell=_supercell(args),
+        supercell=supercell_value(args.supercell, "--supercell"),
         displacement=args.displacement,
         mesh=None if args.no_dos else tuple(args.mesh),
         band_path=None if args.band_path.lower() == "none" else args.band_path,

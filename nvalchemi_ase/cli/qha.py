@@ -25,10 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from nvalchemi_ase.cli.eos import (
     PropertyCommand,
+    add_optimizer_arguments,
+    add_phonopy_arguments,
     add_property_arguments,
+    add_relaxation_limits,
+    add_supercell_argument,
     run_property_command,
+    supercell_value,
 )
-from nvalchemi_ase.cli.kappa import add_supercell_argument, supercell_value
 
 if TYPE_CHECKING:
     from nvalchemi_ase.properties.qha import QHAResult
@@ -39,10 +43,6 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``qha`` options."""
     from nvalchemi_ase.cli.common import positive_float, positive_int
-    from nvalchemi_ase.properties._common import (
-        FIXED_CELL_OPTIMIZERS,
-        VARIABLE_CELL_OPTIMIZERS,
-    )
     from nvalchemi_ase.properties.qha import IMAGINARY_TOLERANCE, QHA_EOS
 
     parser.add_argument(
@@ -60,20 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_supercell_argument(
         parser, "--supercell", [2, 2, 2], "phonon supercell of the input cell"
     )
-    parser.add_argument(
-        "--displacement",
-        type=positive_float,
-        default=0.01,
-        help="displacement amplitude, Å (default: 0.01)",
-    )
-    parser.add_argument(
-        "--mesh",
-        type=positive_int,
-        nargs=3,
-        default=[11, 11, 11],
-        metavar="N",
-        help="q-mesh of the thermal properties (default: 11 11 11; odd numbers "
-        "are Γ-centred)",
+    add_phonopy_arguments(
+        parser,
+        displacement=0.01,
+        mesh=[11, 11, 11],
+        mesh_help="q-mesh of the thermal properties (default: {default}; odd "
+        "numbers are Γ-centred)",
     )
     parser.add_argument(
         "--t-max",
@@ -104,36 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="ions",
         help="relax the ions at each volume (default) or not",
     )
-    parser.add_argument(
-        "--fmax",
-        type=positive_float,
-        default=1e-3,
-        help="force threshold of the relaxations, eV/Å (default: 0.001)",
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive_int,
-        default=1000,
-        help="step limit of each relaxation (default: 1000)",
-    )
-    parser.add_argument(
-        "--optimizer",
-        choices=FIXED_CELL_OPTIMIZERS,
-        default="FIRE",
-        help="ion optimizer (default: FIRE)",
-    )
-    parser.add_argument(
-        "--cell-optimizer",
-        choices=VARIABLE_CELL_OPTIMIZERS,
-        default="FIRE2",
-        help="optimizer of the first relaxation (default: FIRE2)",
-    )
-    parser.add_argument(
-        "--primitive",
-        choices=("auto", "P"),
-        default="auto",
-        help="primitive cell: found by symmetry (auto) or the input cell (P)",
-    )
+    add_relaxation_limits(parser, default_fmax=1e-3, each="each relaxation")
+    add_optimizer_arguments(parser, cell="the first relaxation")
     parser.add_argument(
         "--imaginary-tolerance",
         type=positive_float,

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from nvalchemi_ase.cli.outputs import OutputFiles
 
 #: SIGTERM/SIGINT end the run cleanly (exit status 75; see cli.signals).
@@ -56,14 +58,8 @@ CELL_OPTIMIZERS = OPTIMIZERS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``relax`` options."""
-    from nvalchemi_ase.cli.common import (
-        add_batching_options,
-        add_model_options,
-        add_overwrite_option,
-        add_resume_option,
-        positive_float,
-        positive_int,
-    )
+    from nvalchemi_ase.cli.common import positive_float, positive_int
+    from nvalchemi_ase.cli.runs import add_run_options
 
     parser.add_argument("files", nargs="+", help="structure files (globs, file@slice)")
     parser.add_argument(
@@ -108,83 +104,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write STEM.png next to the output: energy and fmax of each "
         "structure against its own step (the structures relaxed by this run)",
     )
-    add_overwrite_option(parser)
-    add_resume_option(parser, checkpoints=True)
-    add_model_options(parser)
-    add_batching_options(parser)
+    add_run_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Relax all inputs through a refilled working batch; write and print results."""
     from ase.filters import FrechetCellFilter
 
-    from nvalchemi_ase.cli.batching import labelled_atoms, scan_inputs
-    from nvalchemi_ase.cli.common import (
-        build_calculator,
-        expand_inputs,
-        result_properties,
-        say,
-        show_progress,
-    )
-    from nvalchemi_ase.cli.outputs import OutputFiles
-    from nvalchemi_ase.cli.runs import (
-        RunState,
-        claimed_checkpoint,
-        on_root,
-        remove_stale_checkpoint_writes,
-        report_failure,
-        resumed,
-        series_of_every_rank,
-    )
+    from nvalchemi_ase.cli.batching import labelled_atoms
+    from nvalchemi_ase.cli.common import say
+    from nvalchemi_ase.cli.runs import run_structures, staged_outputs
     from nvalchemi_ase.runners import irelax
 
-    args.resume = args.resume or args.restart  # --restart is --resume and more
-    inputs = expand_inputs(args.files)
-    outputs = OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
+    inputs, outputs = staged_outputs(args)
     output = Path(args.output)
-    files = _Files(outputs, output, plot=args.plot)  # before any work
-    calc = build_calculator(args)  # configuration errors next, before reading
-    scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
-    trajectory = _claim_trajectories(args, outputs, len(scanned))
-    done = resumed(args, files.staged, files.failed, scanned)
-    state = RunState(
-        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    files = _Files(
+        outputs,
+        output,
+        plot=args.plot,
+        trajectories=args.trajectories,
+        optimizer=args.optimizer,
+    )  # before any work
+    finished = run_structures(
+        args,
+        irelax,
+        inputs,
+        outputs,
+        files,
+        labelled_atoms,
+        optimizer=args.optimizer,
+        fmax=args.fmax,
+        steps=args.steps,
+        cell_filter=FrechetCellFilter if args.cell else None,
     )
-    args.run_state = state
-    checkpoint = claimed_checkpoint(files.checkpoint, args)
-    series: dict[int, Any] | None = {} if args.plot else None
-    with state.running(deferred=True):
-        for _, atoms in irelax(
-            labelled_atoms(inputs),
-            calc,
-            optimizer=args.optimizer,
-            fmax=args.fmax,
-            steps=args.steps,
-            cell_filter=FrechetCellFilter if args.cell else None,
-            max_atoms=args.max_atoms,
-            max_structures=scanned.budget.max_structures,
-            properties=result_properties(calc),
-            output=files.staged,
-            failures=files.failed,
-            resume=args.resume,
-            trajectory=trajectory,
-            series=series,
-            progress=show_progress(args),
-            restart=checkpoint,
-            restart_interval=args.checkpoint_every,
-            stop=state.signals,
-        ):
-            state.done += 1
-            if atoms.info["failure"] is not None:
-                report_failure(args.command, atoms, files.failed_final)
-    series = series_of_every_rank(args, series)
-    if not on_root(args):
-        return 0  # rank 0 moves the merged output into place and prints
-    failed = files.finish(series, scanned.labels, args.optimizer)
-    with state.finishing():  # a signal now waits: the run is complete
-        outputs.commit()
-    remove_stale_checkpoint_writes(checkpoint)
+    if finished is None:
+        return 0  # not rank 0
     converged = _summary(args, output, files.failed_final)
+    failed = finished.failed
     note = (
         f"; {failed} failed (see {files.failed_final}, {files.table_final})"
         if failed
@@ -192,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     )
     say(
         args,
-        f"{converged}/{len(scanned)} converged to fmax {args.fmax} eV/Å{note}; "
-        f"wrote {output}",
+        f"{converged}/{len(finished.inputs)} converged to fmax {args.fmax} eV/Å"
+        f"{note}; wrote {output}",
     )
     return 1 if failed else 0
 
@@ -201,50 +157,55 @@ def run(args: argparse.Namespace) -> int:
 class _Files:
     """The staged outputs of a relaxation (claimed before any work)."""
 
-    def __init__(self, outputs: OutputFiles, output: Path, *, plot: bool) -> None:
+    def __init__(
+        self,
+        outputs: OutputFiles,
+        output: Path,
+        *,
+        plot: bool,
+        trajectories: str | None = None,
+        optimizer: str = "FIRE",
+    ) -> None:
+        self.optimizer = optimizer
+        self.trajectories = trajectories
         self.failed_final = output.with_name(f"{output.stem}.failed.extxyz")
         self.table_final = output.with_name(f"{output.stem}.failures.csv")
         #: The working batch's checkpoint (not staged: removed by the runner).
         self.checkpoint = output.with_name(f"{output.stem}.checkpoint.npz")
-        self.staged = outputs.claim(output)
+        self.output = outputs.claim(output)
         self.failed = outputs.claim(self.failed_final)
         self.table = outputs.claim(self.table_final)
         self.plot = (
             outputs.claim(output.with_name(f"{output.stem}.png")) if plot else None
         )
-        self.staged.parent.mkdir(parents=True, exist_ok=True)
+        self.output.parent.mkdir(parents=True, exist_ok=True)
 
-    def finish(
-        self, series: dict[int, Any] | None, labels: list[str], optimizer: str
-    ) -> int:
+    def claim_trajectories(self, outputs: OutputFiles, count: int) -> str | None:
+        """Claim one trajectory per input structure; the runner's staged template."""
+        from nvalchemi_ase.cli.outputs import partial_name
+
+        if not self.trajectories:
+            return None
+        folder = Path(self.trajectories)
+        for index in range(count):
+            outputs.claim(folder / f"{index:05d}.traj")
+        folder.mkdir(parents=True, exist_ok=True)
+        return str(partial_name(folder / "{i:05d}.traj"))
+
+    def finish(self, series: dict[int, Any] | None, labels: Sequence[str]) -> int:
         """Sort the output into input order, write the table and plot; failures."""
         from nvalchemi_ase.cli.outputs import write_failure_table
         from nvalchemi_ase.runners import sort_output
 
-        if self.staged.exists():
-            sort_output(self.staged)
+        if self.output.exists():
+            sort_output(self.output)
         if self.plot is not None and series:
-            _plot(series, labels, self.plot, optimizer)
+            _plot(series, labels, self.plot, self.optimizer)
         return write_failure_table(self.failed, self.table)
 
 
-def _claim_trajectories(
-    args: argparse.Namespace, outputs: OutputFiles, count: int
-) -> str | None:
-    """Claim one trajectory per input structure; the runner's staged template."""
-    from nvalchemi_ase.cli.outputs import partial_name
-
-    if not args.trajectories:
-        return None
-    folder = Path(args.trajectories)
-    for index in range(count):
-        outputs.claim(folder / f"{index:05d}.traj")
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(partial_name(folder / "{i:05d}.traj"))
-
-
 def _plot(
-    series: dict[int, Any], labels: list[str], path: Path, optimizer: str
+    series: dict[int, Any], labels: Sequence[str], path: Path, optimizer: str
 ) -> None:
     """Energy and fmax of every structure relaxed, against its own step."""
     import numpy as np

@@ -16,10 +16,10 @@ import argparse
 import contextlib
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from nvalchemi_ase.cli.batching import Inputs, is_out_of_memory, out_of_memory_message
 from nvalchemi_ase.cli.common import USER_ERRORS, CommandError
@@ -29,14 +29,19 @@ from nvalchemi_ase.identity import JobMismatchError
 
 __all__ = [
     "INTERRUPTED_STATUS",
+    "Finished",
+    "RunFiles",
     "RunInterruptedError",
     "RunState",
     "RunStoppedError",
+    "add_run_options",
     "on_root",
     "report",
     "report_failure",
     "resumed",
+    "run_structures",
     "series_of_every_rank",
+    "staged_outputs",
 ]
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
@@ -318,3 +323,150 @@ def series_of_every_rank(
     if series is None or shard is None or not shard.parallel:
         return series
     return dict(shard.gather(list(series.items())))
+
+
+class RunFiles(Protocol):
+    """The staged outputs of a runner command (``md``, ``relax``), claimed first.
+
+    Attributes
+    ----------
+    output : pathlib.Path
+        The staged results (the runner's ``output``).
+    failed : pathlib.Path
+        The staged failures (the runner's ``failures``).
+    failed_final : pathlib.Path
+        Where the failures end up (named in the failure lines).
+    checkpoint : pathlib.Path
+        Where the working batch keeps its checkpoint.
+    """
+
+    output: Path
+    failed: Path
+    failed_final: Path
+    checkpoint: Path
+
+    def claim_trajectories(self, outputs: OutputFiles, count: int) -> str | None:
+        """Claim the trajectories of ``count`` structures; the runner's template."""
+
+    def finish(self, series: dict[int, Any] | None, labels: Sequence[str]) -> int:
+        """Write tables and plots before the outputs move; return failures."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a runner command ran: its inputs and how many of them failed."""
+
+    inputs: Inputs
+    failed: int
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Register what the runner commands share: outputs, restarts, model, batches."""
+    from nvalchemi_ase.cli.common import (
+        add_batching_options,
+        add_model_options,
+        add_overwrite_option,
+        add_resume_option,
+    )
+
+    add_overwrite_option(parser)
+    add_resume_option(parser, checkpoints=True)
+    add_model_options(parser)
+    add_batching_options(parser)
+
+
+def staged_outputs(args: argparse.Namespace) -> tuple[list[str], OutputFiles]:
+    """Expand the inputs and stage the outputs (``--restart`` implies ``--resume``)."""
+    from nvalchemi_ase.cli.common import expand_inputs
+
+    args.resume = args.resume or args.restart  # --restart is --resume and more
+    inputs = expand_inputs(args.files)
+    return inputs, OutputFiles(inputs, overwrite=args.overwrite, resume=args.resume)
+
+
+def run_structures(
+    args: argparse.Namespace,
+    runner: Callable[..., Iterable[tuple[int, Any]]],
+    inputs: list[str],
+    outputs: OutputFiles,
+    files: RunFiles,
+    structures: Callable[[list[str]], Iterable[Any]],
+    **options: Any,
+) -> Finished | None:
+    """Run every input through ``runner`` and move the outputs into place.
+
+    The skeleton ``md`` and ``relax`` share: configuration errors (the
+    calculator) before any frame is read, every frame checked before any model
+    call, ``--resume``/``--restart`` checked against the inputs, signals and
+    errors reported by :class:`RunState`, failures reported as they happen,
+    and the outputs committed on rank 0 once every structure is done.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The command's arguments (model, batching, resume and checkpoint
+        options, ``plot``).
+    runner : callable
+        :func:`~nvalchemi_ase.runners.imd` or
+        :func:`~nvalchemi_ase.runners.irelax`.
+    inputs, outputs
+        From :func:`staged_outputs`.
+    files : RunFiles
+        The command's staged outputs, claimed before this call.
+    structures : callable
+        Yields the input structures, one at a time, from ``inputs``.
+    **options
+        The runner's own options (steps, dynamics or optimizer, ...).
+
+    Returns
+    -------
+    Finished or None
+        ``None`` on ranks other than 0 (which write and print nothing).
+    """
+    from nvalchemi_ase.cli.batching import scan_inputs
+    from nvalchemi_ase.cli.common import (
+        build_calculator,
+        result_properties,
+        show_progress,
+    )
+
+    calc = build_calculator(args)  # configuration errors next, before reading
+    scanned = scan_inputs(inputs, calc, args)  # every frame checked, none kept
+    trajectory = files.claim_trajectories(outputs, len(scanned))
+    done = resumed(args, files.output, files.failed, scanned)
+    state = RunState(
+        outputs, scanned, done=done, signals=getattr(args, "signals", None)
+    )
+    args.run_state = state
+    checkpoint = claimed_checkpoint(files.checkpoint, args)
+    files.output.parent.mkdir(parents=True, exist_ok=True)
+    series: dict[int, Any] | None = {} if args.plot else None
+    with state.running(deferred=True):
+        for _, atoms in runner(
+            structures(inputs),
+            calc,
+            max_atoms=args.max_atoms,
+            max_structures=scanned.budget.max_structures,
+            properties=result_properties(calc),
+            output=files.output,
+            failures=files.failed,
+            resume=args.resume,
+            trajectory=trajectory,
+            series=series,
+            progress=show_progress(args),
+            restart=checkpoint,
+            restart_interval=args.checkpoint_every,
+            stop=state.signals,
+            **options,
+        ):
+            state.done += 1
+            if atoms.info["failure"] is not None:
+                report_failure(args.command, atoms, files.failed_final)
+    series = series_of_every_rank(args, series)
+    if not on_root(args):
+        return None  # rank 0 moves the merged outputs into place and prints
+    failed = files.finish(series, scanned.labels)
+    with state.finishing():  # a signal now waits: the run is complete
+        outputs.commit()
+    remove_stale_checkpoint_writes(checkpoint)
+    return Finished(scanned, failed)

@@ -1,6 +1,6 @@
 """ASE constraints other than ``FixAtoms``, applied to a whole batch on the device.
 
-``FixAtoms`` is nvalchemi's own frozen-atom category (``convert.py``). The
+``FixAtoms`` is nvalchemi's own frozen-atom category (``nvalchemi_ase.convert``). The
 constraints here have no nvalchemi counterpart; one set of hooks applies
 them to every structure of a batch at the points where ASE's dynamics call
 the constraint's methods:

@@ -37,6 +37,7 @@ import numpy.typing as npt
 import torch
 
 from nvalchemi_ase import devices
+from nvalchemi_ase.convert import batch_field
 from nvalchemi_ase.dynamics.hooks import StageHook
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ class FailureGuard:
         """Remember the state every structure has before the step."""
         with torch.no_grad():
             for key in (*_ATOM_FIELDS, *_SYSTEM_FIELDS):
-                value = _field(batch, key)
+                value = batch_field(batch, key)
                 if value is None:
                     continue
                 saved = self._snapshot.get(key)
@@ -468,11 +469,11 @@ class FailureGuard:
         values: list[torch.Tensor] = []
         ranges: list[tuple[float, float]] = []  # closed; NaN is in none
         for key in summed:
-            value = _field(batch, key)
+            value = batch_field(batch, key)
             if value is not None:
                 values.append(value.sum())
                 ranges.append(_FINITE)
-        forces = _field(batch, "forces")
+        forces = batch_field(batch, "forces")
         if forces is not None and forces.numel():
             bound = self.limits.max_force * _COMPONENT_BOUND
             values += torch.aminmax(forces)
@@ -497,10 +498,10 @@ class FailureGuard:
     def _within_limits(self, batch: Batch) -> bool:
         """Test the whole batch exactly: a structure may be off only if this fails."""
         for key in ("positions", "velocities", "forces", "cell", "energy"):
-            value = _field(batch, key)
+            value = batch_field(batch, key)
             if value is not None and not bool(torch.isfinite(value).all()):
                 return False
-        forces = _field(batch, "forces")
+        forces = batch_field(batch, "forces")
         if forces is not None and forces.numel():
             largest = float((forces * forces).sum(dim=1).max())
             if largest > self.limits.max_force**2:
@@ -524,16 +525,16 @@ class FailureGuard:
         count = batch.num_graphs
         checks: list[tuple[int, torch.Tensor]] = []
         for code, key in ((1, "positions"), (2, "velocities"), (5, "forces")):
-            value = _field(batch, key)
+            value = batch_field(batch, key)
             if value is not None:
                 bad_atom = ~torch.isfinite(value.detach()).all(dim=1)
                 checks.append((code, _any_per_graph(bad_atom, index, count)))
         for code, key in ((3, "cell"), (4, "energy")):
-            value = _field(batch, key)
+            value = batch_field(batch, key)
             if value is not None:
                 flat = value.detach().reshape(count, -1)
                 checks.append((code, ~torch.isfinite(flat).all(dim=1)))
-        forces = _field(batch, "forces")
+        forces = batch_field(batch, "forces")
         if forces is not None:
             norms = torch.nan_to_num(forces.detach().norm(dim=1), nan=0.0)
             checks.append(
@@ -567,7 +568,7 @@ class FailureGuard:
             return
         per_atom = self.failed[batch.batch_idx.long()]
         for key, saved in self._snapshot.items():
-            target = _field(batch, key)
+            target = batch_field(batch, key)
             if target is None or target.shape != saved.shape:
                 continue
             mask = per_atom if key in _ATOM_FIELDS else self.failed
@@ -642,11 +643,6 @@ def _without(ctx: Any, failed: torch.Tensor | None) -> Any:
     active = getattr(ctx, "active_graph_mask", None)
     live = ~failed if active is None else active & ~failed
     return dataclasses.replace(ctx, active_graph_mask=live)
-
-
-def _field(batch: Batch, key: str) -> torch.Tensor | None:
-    value = getattr(batch, key, None)
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _any_per_graph(

@@ -16,7 +16,11 @@ import torch
 from ase import units
 
 from nvalchemi_ase.dynamics.logs import internal
-from nvalchemi_ase.units import pressure_from_stress, stress_3x3_to_voigt
+from nvalchemi_ase.units import (
+    ase_time_to_ps,
+    pressure_from_stress,
+    stress_3x3_to_voigt,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -115,7 +119,7 @@ class Recorder:
         thermo = dyn.per_structure_thermo()
         self._append(
             step=dyn.nsteps,
-            time_ps=dyn.get_time() / (1000 * units.fs),  # type: ignore[attr-defined]
+            time_ps=ase_time_to_ps(dyn.get_time()),  # type: ignore[attr-defined]
             epot_per_atom=thermo["epot"] / thermo["natoms"],
             temperature=thermo["temperature"],
             pressure_gpa=self._pressure_gpa(thermo),

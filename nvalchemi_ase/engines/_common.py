@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from nvalchemi.data import Batch
 from nvalchemi.dynamics.base import BaseDynamics
 
-from nvalchemi_ase._compat import frozen_category, make_state_batch
+from nvalchemi_ase._compat import make_state_batch
+from nvalchemi_ase.convert import FROZEN_CATEGORY
+
+if TYPE_CHECKING:
+    from nvalchemi.dynamics.base import ConvergenceHook
+    from nvalchemi.hooks import Hook
+    from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
     "FROZEN_CATEGORY",
     "ParameterValue",
+    "PerGraphEngine",
     "active_graphs",
     "check_parameter",
     "finite_positive",
@@ -35,15 +42,51 @@ __all__ = [
     "to_per_system",
 ]
 
-#: ``atom_categories`` value of frozen atoms (what ``FreezeAtomsHook`` freezes).
-FROZEN_CATEGORY: int = frozen_category()
-
 #: A scalar, or one value per structure (array-like or tensor of shape [B]).
 ParameterValue = float | torch.Tensor | np.ndarray | list[float] | tuple[float, ...]
 
 # Odd 64-bit constant (golden ratio) used to spread seeds before adding steps.
 _SEED_MULTIPLIER = 0x9E3779B97F4A7C15
 _SEED_MODULUS = 2**63
+
+
+class PerGraphEngine(BaseDynamics):
+    """A ``BaseDynamics`` that keeps its state per graph (``by_group`` refused).
+
+    The base of this package's engines: their constructors take their own
+    parameters and hand the rest here.
+
+    Parameters
+    ----------
+    model : BaseModelMixin
+        The potential.
+    n_steps : int, optional
+        Default step count of ``run``.
+    hooks : list of Hook, optional
+        Hooks to register.
+    convergence_hook : ConvergenceHook or dict, optional
+        Convergence criteria.
+    **kwargs
+        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+    """
+
+    def __init__(
+        self,
+        model: BaseModelMixin,
+        *,
+        n_steps: int | None = None,
+        hooks: list[Hook] | None = None,
+        convergence_hook: ConvergenceHook | dict | None = None,
+        **kwargs: Any,
+    ) -> None:
+        refuse_by_group(type(self).__name__, kwargs)
+        super().__init__(
+            model=model,
+            hooks=hooks,
+            convergence_hook=convergence_hook,
+            n_steps=n_steps,
+            **kwargs,
+        )
 
 
 def refuse_by_group(engine_name: str, options: Mapping[str, Any]) -> None:

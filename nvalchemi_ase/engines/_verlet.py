@@ -24,25 +24,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
-from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase._compat import engine_seed, set_engine_seed
 from nvalchemi_ase.engines._common import (
     ParameterValue,
+    PerGraphEngine,
     check_parameter,
     finite_positive,
     free_atoms,
     make_state,
     mixed_seed,
     per_graph_sum,
-    refuse_by_group,
     to_per_system,
 )
 from nvalchemi_ase.units import fs_to_ase_time, thermal_energy_nvalchemi
 
 if TYPE_CHECKING:
-    from nvalchemi.dynamics.base import ConvergenceHook
-    from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = ["CoupledThermostatVerlet", "StateParameter", "ThermostattedVerlet"]
@@ -76,7 +73,7 @@ class StateParameter:
     strict: bool = False
 
 
-class ThermostattedVerlet(BaseDynamics):
+class ThermostattedVerlet(PerGraphEngine):
     """Velocity Verlet whose subclasses act on velocities around the kicks.
 
     Parameters
@@ -90,14 +87,9 @@ class ThermostattedVerlet(BaseDynamics):
         step reseeds it from ``random_seed`` and ``step_count``, so
         ``state_dict``/``load_state_dict`` and ``seed_offset`` reproduce and
         shift the noise exactly as they do for ``NVTLangevin``.
-    n_steps : int, optional
-        Default step count of ``run``.
-    hooks : list of Hook, optional
-        Hooks to register.
-    convergence_hook : ConvergenceHook or dict, optional
-        Convergence criteria.
     **kwargs
-        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+        ``n_steps``, ``hooks``, ``convergence_hook``, ...: see
+        :class:`~nvalchemi_ase.engines._common.PerGraphEngine`.
     """
 
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
@@ -109,19 +101,9 @@ class ThermostattedVerlet(BaseDynamics):
         dt: float,
         *,
         random_seed: int | None = None,
-        n_steps: int | None = None,
-        hooks: list[Hook] | None = None,
-        convergence_hook: ConvergenceHook | dict | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_by_group(type(self).__name__, kwargs)
-        super().__init__(
-            model=model,
-            hooks=hooks,
-            convergence_hook=convergence_hook,
-            n_steps=n_steps,
-            **kwargs,
-        )
+        super().__init__(model, **kwargs)
         self.dt = finite_positive("dt (fs)", dt)
         self._dt_internal = fs_to_ase_time(self.dt)
         if random_seed is not None:

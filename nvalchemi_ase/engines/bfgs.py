@@ -31,22 +31,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
-from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
+    PerGraphEngine,
     active_graphs,
     finite_positive,
     keep_inactive,
     make_state,
-    refuse_by_group,
 )
 from nvalchemi_ase.engines._rows import Rows
 from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
-    from nvalchemi.dynamics.base import ConvergenceHook
-    from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = ["BFGS", "PaddedLayout"]
@@ -92,7 +89,7 @@ class PaddedLayout:
 
 
 @post_update_is_noop
-class BFGS(BaseDynamics):
+class BFGS(PerGraphEngine):
     """Batched BFGS with one dense Hessian per structure (ASE's algorithm).
 
     Parameters
@@ -105,14 +102,9 @@ class BFGS(BaseDynamics):
         Initial Hessian, eV/Å² times identity (ASE's default 70).
     cell_filter : CellFilterCoordinates, optional
         Relax in the coordinates of ASE's cell filters (cell included).
-    n_steps : int, optional
-        Default step count of ``run``.
-    hooks : list of Hook, optional
-        Hooks to register.
-    convergence_hook : ConvergenceHook or dict, optional
-        Convergence criteria.
     **kwargs
-        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+        ``n_steps``, ``hooks``, ``convergence_hook``, ...: see
+        :class:`~nvalchemi_ase.engines._common.PerGraphEngine`.
 
     Notes
     -----
@@ -135,19 +127,9 @@ class BFGS(BaseDynamics):
         maxstep: float = 0.2,
         alpha: float = 70.0,
         cell_filter: CellFilterCoordinates | None = None,
-        n_steps: int | None = None,
-        hooks: list[Hook] | None = None,
-        convergence_hook: ConvergenceHook | dict | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_by_group(type(self).__name__, kwargs)
-        super().__init__(
-            model=model,
-            hooks=hooks,
-            convergence_hook=convergence_hook,
-            n_steps=n_steps,
-            **kwargs,
-        )
+        super().__init__(model, **kwargs)
         self.maxstep = finite_positive("maxstep (Å)", maxstep)
         self.alpha = finite_positive("alpha (eV/Å²)", alpha)
         self.cell_filter = cell_filter

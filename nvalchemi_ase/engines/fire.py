@@ -37,22 +37,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
-from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
+    PerGraphEngine,
     active_graphs,
     finite_positive,
     keep_inactive,
     make_state,
-    refuse_by_group,
 )
 from nvalchemi_ase.engines._rows import Rows
 from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
-    from nvalchemi.dynamics.base import ConvergenceHook
-    from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = ["FIRE", "ResetCallback"]
@@ -64,7 +61,7 @@ ResetCallback = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @post_update_is_noop
-class FIRE(BaseDynamics):
+class FIRE(PerGraphEngine):
     """Batched FIRE with ASE's arithmetic (``ase.optimize.FIRE``).
 
     Parameters
@@ -89,10 +86,9 @@ class FIRE(BaseDynamics):
         Go back to the previous positions when the energy rose.
     cell_filter : CellFilterCoordinates, optional
         Relax in the coordinates of ASE's cell filters (cell included).
-    n_steps, hooks, convergence_hook
-        As ``BaseDynamics``.
     **kwargs
-        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+        ``n_steps``, ``hooks``, ``convergence_hook``, ...: see
+        :class:`~nvalchemi_ase.engines._common.PerGraphEngine`.
     """
 
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
@@ -113,19 +109,9 @@ class FIRE(BaseDynamics):
         a: float = 0.1,
         downhill_check: bool = False,
         cell_filter: CellFilterCoordinates | None = None,
-        n_steps: int | None = None,
-        hooks: list[Hook] | None = None,
-        convergence_hook: ConvergenceHook | dict | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_by_group(type(self).__name__, kwargs)
-        super().__init__(
-            model=model,
-            hooks=hooks,
-            convergence_hook=convergence_hook,
-            n_steps=n_steps,
-            **kwargs,
-        )
+        super().__init__(model, **kwargs)
         self.dt = finite_positive("dt", dt)
         self.maxstep = finite_positive("maxstep (Å)", maxstep)
         self.dtmax = finite_positive("dtmax", dtmax)

@@ -22,22 +22,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
-from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase._compat import post_update_is_noop
 from nvalchemi_ase.engines._common import (
+    PerGraphEngine,
     active_graphs,
     finite_positive,
     keep_inactive,
     make_state,
-    refuse_by_group,
 )
 from nvalchemi_ase.engines._rows import Rows
 from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 
 if TYPE_CHECKING:
-    from nvalchemi.dynamics.base import ConvergenceHook
-    from nvalchemi.hooks import Hook
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = ["MDMin"]
@@ -47,7 +44,7 @@ STEP_GUARD = 1e-6
 
 
 @post_update_is_noop
-class MDMin(BaseDynamics):
+class MDMin(PerGraphEngine):
     """Batched MDMin relaxation (ASE's algorithm).
 
     Parameters
@@ -61,14 +58,9 @@ class MDMin(BaseDynamics):
         Largest atomic displacement per step, Å (ASE's default 0.2).
     cell_filter : CellFilterCoordinates, optional
         Relax in the coordinates of ASE's cell filters (cell included).
-    n_steps : int, optional
-        Default step count of ``run``.
-    hooks : list of Hook, optional
-        Hooks to register.
-    convergence_hook : ConvergenceHook or dict, optional
-        Convergence criteria.
     **kwargs
-        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+        ``n_steps``, ``hooks``, ``convergence_hook``, ...: see
+        :class:`~nvalchemi_ase.engines._common.PerGraphEngine`.
 
     Notes
     -----
@@ -88,19 +80,9 @@ class MDMin(BaseDynamics):
         dt: float = 0.2,
         maxstep: float = 0.2,
         cell_filter: CellFilterCoordinates | None = None,
-        n_steps: int | None = None,
-        hooks: list[Hook] | None = None,
-        convergence_hook: ConvergenceHook | dict | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_by_group(type(self).__name__, kwargs)
-        super().__init__(
-            model=model,
-            hooks=hooks,
-            convergence_hook=convergence_hook,
-            n_steps=n_steps,
-            **kwargs,
-        )
+        super().__init__(model, **kwargs)
         self.dt = finite_positive("dt", dt)
         self.maxstep = finite_positive("maxstep (Å)", maxstep)
         self.cell_filter = cell_filter

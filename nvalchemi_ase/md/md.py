@@ -8,7 +8,6 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 import torch
-from ase import units
 from ase.md.logger import MDLogger
 from ase.parallel import world
 
@@ -31,7 +30,11 @@ from nvalchemi_ase.md.schedules import (
     as_schedule,
 )
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
-from nvalchemi_ase.units import temperature_K_to_nvalchemi, thermal_energy_nvalchemi
+from nvalchemi_ase.units import (
+    ase_time_to_ps,
+    temperature_K_to_nvalchemi,
+    thermal_energy_nvalchemi,
+)
 
 __all__ = [
     "BatchedMolecularDynamics",
@@ -271,7 +274,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         log.write(
             "%-10.4f %12.6f %12.6f %12.6f  %8.1f %8.1f %8.1f\n"
             % (
-                self.get_time() / (1000 * units.fs),
+                ase_time_to_ps(self.get_time()),
                 epot + ekin,
                 epot,
                 ekin,
@@ -351,9 +354,8 @@ class BatchedMolecularDynamics(BatchedDynamics):
 
     def _engine_temperature(self) -> torch.Tensor:
         """``self.temperature_K`` per structure [B], rescaled to nvalchemi's kB."""
-        temperature_K = getattr(self, "temperature_K")  # noqa: B009 - set by thermostats
         return temperature_K_to_nvalchemi(
-            self._per_structure("temperature_K", temperature_K)
+            self._per_structure("temperature_K", self.temperature_K)
         )
 
     def _per_structure(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nvalchemi_ase._compat import neighbor_list_cutoff
+from nvalchemi_ase.convert import batch_field
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -71,25 +72,6 @@ class EdgeGraph:
     edge_graph: torch.Tensor
     edge_vectors: torch.Tensor
     cell: torch.Tensor | None
-
-
-def batch_field(data: Batch, key: str) -> torch.Tensor | None:
-    """``data.<key>``, or None when the batch has no such tensor field.
-
-    Parameters
-    ----------
-    data : nvalchemi.data.Batch
-        The batch.
-    key : str
-        Field name.
-
-    Returns
-    -------
-    torch.Tensor or None
-        The field.
-    """
-    value = getattr(data, key, None)
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def edge_graph(

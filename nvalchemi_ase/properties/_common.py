@@ -64,6 +64,7 @@ __all__ = [
     "MaterialResult",
     "atom_budget",
     "evaluate",
+    "evaluate_or_relax",
     "gather",
     "materials",
     "plan_chunks",
@@ -884,6 +885,39 @@ def relax_and_evaluate(
     ]
     relax_steps[[k for k, result in enumerate(final) if result is None]] = -1
     return final, relax_steps
+
+
+def evaluate_or_relax(
+    calc: NVAlchemiCalculator,
+    derived: Sequence[Derived],
+    ledger: Ledger,
+    properties: Sequence[str],
+    *,
+    relax: bool,
+    fmax: float,
+    steps: int,
+    optimizer: str,
+    memory_budget: float | None = None,
+) -> tuple[list[dict[str, Any] | None], np.ndarray]:
+    """Results of every derived structure, its ions relaxed first or not.
+
+    :func:`relax_and_evaluate` with ``relax``, else one batched
+    :func:`evaluate` (the parameters and returns of :func:`relax_and_evaluate`;
+    ``relax_steps`` is then -1 everywhere: not relaxed).
+    """
+    if relax:
+        return relax_and_evaluate(
+            calc,
+            derived,
+            ledger,
+            properties,
+            fmax=fmax,
+            steps=steps,
+            optimizer=optimizer,
+            memory_budget=memory_budget,
+        )
+    results = evaluate(calc, derived, properties, ledger, memory_budget=memory_budget)
+    return results, np.full(len(derived), -1)
 
 
 def _state(atoms: Atoms) -> tuple[np.ndarray, np.ndarray]:

@@ -23,8 +23,7 @@ from nvalchemi_ase.properties._common import (
     FIXED_CELL_OPTIMIZERS,
     Derived,
     Ledger,
-    evaluate,
-    relax_and_evaluate,
+    evaluate_or_relax,
 )
 
 if TYPE_CHECKING:
@@ -98,22 +97,17 @@ def energies(
         Optimizer steps each structure took (0: already below ``fmax``; -1:
         not relaxed or failed).
     """
-    if relax:
-        results, relax_steps = relax_and_evaluate(
-            calc,
-            derived,
-            ledger,
-            ["energy"],
-            fmax=fmax,
-            steps=steps,
-            optimizer=optimizer,
-            memory_budget=memory_budget,
-        )
-    else:
-        results = evaluate(
-            calc, derived, ["energy"], ledger, memory_budget=memory_budget
-        )
-        relax_steps = np.full(len(derived), -1)
+    results, relax_steps = evaluate_or_relax(
+        calc,
+        derived,
+        ledger,
+        ["energy"],
+        relax=relax,
+        fmax=fmax,
+        steps=steps,
+        optimizer=optimizer,
+        memory_budget=memory_budget,
+    )
     values = np.array(
         [np.nan if result is None else float(result["energy"]) for result in results]
     )

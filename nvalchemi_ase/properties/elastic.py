@@ -33,10 +33,9 @@ from nvalchemi_ase.properties._common import (
     Derived,
     Ledger,
     MaterialResult,
-    evaluate,
+    evaluate_or_relax,
     gather,
     prepared_materials,
-    relax_and_evaluate,
 )
 
 if TYPE_CHECKING:
@@ -214,22 +213,17 @@ def elastic_constants(
     )
     values = np.linspace(-strain, strain, n_strains)
     derived, slots = _strained_cells(references, values, ledger)
-    if relax_ions:
-        results, relax_steps = relax_and_evaluate(
-            calc,
-            derived,
-            ledger,
-            ["stress"],
-            fmax=fmax,
-            steps=steps,
-            optimizer=optimizer,
-            memory_budget=memory_budget,
-        )
-    else:
-        results = evaluate(
-            calc, derived, ["stress"], ledger, memory_budget=memory_budget
-        )
-        relax_steps = np.full(len(derived), -1)
+    results, relax_steps = evaluate_or_relax(
+        calc,
+        derived,
+        ledger,
+        ["stress"],
+        relax=relax_ions,
+        fmax=fmax,
+        steps=steps,
+        optimizer=optimizer,
+        memory_budget=memory_budget,
+    )
     out = []
     for index, atoms in enumerate(structures):
         result = ElasticResult(

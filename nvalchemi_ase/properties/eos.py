@@ -29,9 +29,9 @@ from nvalchemi_ase.properties._common import (
     Ledger,
     MaterialResult,
     evaluate,
+    evaluate_or_relax,
     gather,
     prepared_materials,
-    relax_and_evaluate,
     relax_structures,
 )
 
@@ -248,22 +248,18 @@ def equation_of_state(
         results = evaluate(
             calc, derived, ["energy"], ledger, memory_budget=memory_budget
         )
-    elif relax == "ions":
-        results, relax_steps = relax_and_evaluate(
+    else:
+        results, relax_steps = evaluate_or_relax(
             calc,
             derived,
             ledger,
             ["energy"],
+            relax=relax == "ions",
             fmax=fmax,
             steps=steps,
             optimizer=optimizer,
             memory_budget=memory_budget,
         )
-    else:
-        results = evaluate(
-            calc, derived, ["energy"], ledger, memory_budget=memory_budget
-        )
-        relax_steps = np.full(len(derived), -1)
     per_material: dict[int, list[int]] = {}
     for k, item in enumerate(derived):
         per_material.setdefault(item.material, []).append(k)

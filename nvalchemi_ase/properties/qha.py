@@ -33,9 +33,9 @@ from nvalchemi_ase.properties._common import (
     Ledger,
     MaterialResult,
     evaluate,
+    evaluate_or_relax,
     gather,
     prepared_materials,
-    relax_and_evaluate,
 )
 from nvalchemi_ase.properties.eos import _scaled_cells
 from nvalchemi_ase.properties.phonons import (
@@ -285,22 +285,17 @@ def qha(
     )
     factors = np.linspace(1.0 - strain, 1.0 + strain, n_volumes)
     volumes = _scaled_cells(references, factors, ledger)
-    if relax == "ions":
-        static, relax_steps = relax_and_evaluate(
-            calc,
-            volumes,
-            ledger,
-            ["energy"],
-            fmax=fmax,
-            steps=steps,
-            optimizer=optimizer,
-            memory_budget=memory_budget,
-        )
-    else:
-        static = evaluate(
-            calc, volumes, ["energy"], ledger, memory_budget=memory_budget
-        )
-        relax_steps = np.full(len(volumes), -1)
+    static, relax_steps = evaluate_or_relax(
+        calc,
+        volumes,
+        ledger,
+        ["energy"],
+        relax=relax == "ions",
+        fmax=fmax,
+        steps=steps,
+        optimizer=optimizer,
+        memory_budget=memory_budget,
+    )
     phonopys: dict[int, Any] = {}
     displaced: list[Derived] = []
     owner: list[int] = []  # which volume each displaced supercell belongs to

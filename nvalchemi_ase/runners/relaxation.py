@@ -409,7 +409,7 @@ class _Queue:
             slot = self._slot(index, atoms)
             reason = self._budget.refusal(slot.cost)
             if reason is not None:  # the calculator's reason first, if it has one
-                reason = self._admission(working) or reason
+                reason = self._admission(slot.atoms) or reason
                 self.refused.append((slot, reason))
                 continue
             self._next = slot

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.convert import MAX_ATOMIC_NUMBER as _MAX_ATOMIC_NUMBER
 from nvalchemi_ase.models.edge_vectors import EdgeGraph, edge_vector_outputs
 from nvalchemi_ase.models.sevennet.speed import (
     CONVOLUTION_TILE_BYTES,
@@ -34,7 +35,6 @@ __all__ = ["wrapper_class"]
 _ONE_HOT = "onehot_idx_to_onehot"
 _REPLACED = frozenset({_ONE_HOT, "reduce_total_enegy", "force_output"})
 _ATOMIC_ENERGY_KEY = "atomic_energy"
-_MAX_ATOMIC_NUMBER = 118
 
 
 class _SevenNetModule(torch.nn.Module):
