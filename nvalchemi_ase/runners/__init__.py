@@ -65,8 +65,11 @@ such as LJ), so between two refills the frozen atoms cost about one refill (the
 ski-rental rule), whether many structures finished at once or one finished long
 ago. A refill starts the survivors' neighbour lists from their old rows
 (``carry_neighbor_lists``): only the admitted structures' lists are built. The
-schedule depends only on the structures' steps and sizes, never on timings, so
-runs repeat.
+schedule depends only on the structures' steps and sizes and the budget, so
+runs repeat. The budget itself may be tuned for throughput
+(:mod:`nvalchemi_ase.runners.throughput`) from a timing probe taken once per
+model, device, dtype and thread count and cached, so later runs on the same
+machine batch the same; every structure's path is its own either way.
 
 With a cell filter (``cell_filter=FrechetCellFilter``) refills wait until
 every structure of the working batch has finished: a variable-cell optimizer
