@@ -804,6 +804,7 @@ BENCHMARKS = {
     "torchsim": lambda *a: importlib.import_module("benchmarks.torchsim").run(*a),
     "kappa": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "kappa"),
     "qha": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "qha"),
+    "models": lambda *a: importlib.import_module("benchmarks.models").run(*a),
 }
 
 

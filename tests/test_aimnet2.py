@@ -12,13 +12,11 @@ the tolerances are float32 ones. Skipped when ``aimnet`` is absent.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import numpy as np
 import pytest
 import torch
-import yaml
 from ase import Atoms, units
 from ase.build import molecule
 
@@ -26,6 +24,7 @@ from nvalchemi_ase import NVAlchemiCalculator, testing
 from nvalchemi_ase.md import VelocityVerlet
 from nvalchemi_ase.models import aimnet2, available_models, load_model
 from nvalchemi_ase.models.weights import WEIGHTS_ENV, MissingWeightsError
+from tests.aimnet2_models import save_random_aimnet2
 
 pytest.importorskip("aimnet")
 
@@ -39,49 +38,12 @@ CHARGE_ATOL = 1e-5  # e
 STRESS_ATOL = 1e-8  # eV/Å³ (measured 7e-10 on stresses of 1e-4)
 # NVE: spread of E_pot + E_kin over 30 fs at 0.5 fs, eV per atom.
 NVE_DRIFT_PER_ATOM = 1e-3  # measured 5e-5 (ethanol), 2e-5 (benzene)
-# Reference energies per element (eV), baked in as aimnet's exporter does.
-SELF_ENERGIES = {1: -13.6, 6: -1030.0, 7: -1485.0, 8: -2040.0, 9: -2715.0}
-SELF_ENERGIES |= {16: -10830.0, 17: -12520.0}
 
 
 @pytest.fixture(scope="session")
 def aimnet2_file(tmp_path_factory):
     """A random-weight AIMNet2 in aimnet's v2 format, written by aimnet itself."""
-    from aimnet.config import build_module
-    from aimnet.train.export_model import export_model
-
-    folder = tmp_path_factory.mktemp("aimnet2")
-    config = yaml.safe_load(
-        (
-            __import__("importlib.resources").resources.files("aimnet.models")
-            / "aimnet2.yaml"
-        ).read_text()
-    )
-    kwargs = config["kwargs"]
-    kwargs.update(hidden=[[32, 24], [32, 24], [32, 24, 24]], aim_size=16)
-    kwargs.update(nfeature=4, ncomb_v=4)
-    energy_mlp = kwargs["outputs"]["energy_mlp"]["kwargs"]
-    energy_mlp["n_in"] = 16
-    energy_mlp["mlp"]["hidden"] = [16]
-    (folder / "model.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(7)
-    network = build_module(copy.deepcopy(config))
-    torch.random.set_rng_state(generator_state)
-    torch.save(network.state_dict(), folder / "raw.pt")
-    (folder / "sae.yaml").write_text(
-        "\n".join(f"{z}: {e}" for z, e in SELF_ENERGIES.items())
-    )
-    export_model.callback(
-        str(folder / "raw.pt"),
-        str(folder / "small_aimnet2.pt"),
-        str(folder / "model.yaml"),
-        str(folder / "sae.yaml"),
-        None,
-        None,
-        (),
-    )
-    return folder / "small_aimnet2.pt"
+    return save_random_aimnet2(tmp_path_factory.mktemp("aimnet2"))
 
 
 @pytest.fixture(scope="session")
