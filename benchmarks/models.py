@@ -405,7 +405,7 @@ def run(settings: Settings, report: Report) -> None:
     import torch
 
     # FIRE: one timed round after the checked (warm-up) one; a full run is
-    # about 25 minutes on a 2-core CPU under a load of 10, mostly SevenNet-0
+    # about an hour on a 2-core CPU under a load of 10-14, mostly SevenNet-0
     count = 4 if settings.quick else STRUCTURES
     steps = 2 if settings.quick else FIRE_STEPS
     rounds = 1 if settings.quick else 3
