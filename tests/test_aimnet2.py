@@ -262,3 +262,95 @@ def test_missing_aimnet_names_the_extra(monkeypatch, aimnet2_file):
     monkeypatch.setattr(aimnet2, "import_quietly", absent)
     with pytest.raises(ImportError, match=r'pip install "nvalchemi-ase\[aimnet\]"'):
         load_model("aimnet2", path=aimnet2_file)
+
+
+# aimnet2 + ewald/pme: the group's energy is E_AIMNet2 + E_Coulomb(q_pred); its
+# forces are autograd of that sum (the charges follow the positions). Measured:
+# energy = sum of the parts to 1e-16 relative, forces = central differences
+# (h = 1e-3 Å, float32 model) to 3e-6 eV/Å; fixed-charge forces differ by 8e-3.
+COMPOSED_ENERGY_RTOL = 1e-9
+FD_STEP = 1e-3  # Å
+FD_FORCE_ATOL = 1e-4  # eV/Å
+CHARGE_RESPONSE = 1e-3  # eV/Å: forces with the charges held fixed differ by more
+
+
+@pytest.mark.filterwarnings("ignore:PMEModelWrapper. using a single mean")
+@pytest.mark.parametrize("coulomb", ["ewald", "pme"])
+def test_aimnet2_plus_coulomb_feeds_the_predicted_charges(aimnet2_file, coulomb):
+    from nvalchemi_ase.models.composition import composed_parts
+
+    composed = load_model(f"aimnet2(path='{aimnet2_file}')+{coulomb}")
+    (group,) = composed.groups  # one autograd group: AIMNet2 then the sum
+    assert group.use_autograd
+    names = {"ewald": "EwaldModelWrapper", "pme": "PMEModelWrapper"}
+    assert type(composed_parts(composed)[1]).__name__ == names[coulomb]
+    images = _periodic()
+    properties = ["energy", "forces", "stress"]
+    ours = NVAlchemiCalculator(composed, device="cpu").calculate_batch(
+        images, properties
+    )
+    alone = NVAlchemiCalculator(load_model("aimnet2", path=aimnet2_file), device="cpu")
+    short = alone.calculate_batch(images, [*properties, "charges"])
+    fixed = []
+    for atoms, part in zip(images, short, strict=True):
+        charged = atoms.copy()
+        charged.set_initial_charges(part["charges"])
+        fixed.append(charged)
+    coulomb_part = NVAlchemiCalculator(load_model(coulomb), device="cpu")
+    long = coulomb_part.calculate_batch(fixed, properties)
+    for atoms, mine, a, b in zip(images, ours, short, long, strict=True):
+        assert abs(b["energy"]) > 1e-5  # the charges are not zero
+        assert mine["energy"] == pytest.approx(
+            a["energy"] + b["energy"], rel=COMPOSED_ENERGY_RTOL
+        )
+        assert np.abs(mine["forces"] - a["forces"] - b["forces"]).max() > (
+            CHARGE_RESPONSE
+        )
+        calc = NVAlchemiCalculator(composed, device="cpu")
+        for axis in range(3):
+            energies = []
+            for sign in (1, -1):
+                moved = atoms.copy()
+                moved.positions[0, axis] += sign * FD_STEP
+                moved.calc = calc
+                energies.append(moved.get_potential_energy())
+            central = -(energies[0] - energies[1]) / (2 * FD_STEP)
+            assert mine["forces"][0, axis] == pytest.approx(central, abs=FD_FORCE_ATOL)
+
+
+@pytest.mark.slow
+def test_aimnet2_plus_ewald_passes_the_conformance_checks(aimnet2_file):
+    composed = load_model(f"aimnet2(path='{aimnet2_file}')+ewald")
+    report = testing.check_model(composed, _periodic(), skip=("one_atom",))
+    for check in ("outputs", "forces", "stress", "batch", "translation"):
+        assert report[check].startswith("passed"), report
+
+
+# Charged molecules in one batched VelocityVerlet against aimnet's own calculator
+# with ASE's VelocityVerlet, one molecule at a time: 20 steps at 0.5 fs, float32
+# (measured 2e-6 Å). The random model's surface is rough: the C6H6 cation's own
+# aimnet run jumps 4.6 eV in one step at 13 fs (see the #25 report), so the
+# comparison stops before that.
+MD_PATH_ATOL = 1e-4  # Å
+
+
+@pytest.mark.slow
+def test_charged_molecules_in_a_batched_run_follow_aimnets_own_verlet(
+    model, aimnet2_file
+):
+    from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
+
+    images = [_molecules()[index] for index in (0, 1, 2, 5)]  # -1, 0, +1, -1
+    for index, atoms in enumerate(images):
+        rng = np.random.default_rng(index)
+        scale = np.sqrt(atoms.get_masses()[:, None] * units.kB * 100)
+        atoms.set_momenta(rng.normal(size=(len(atoms), 3)) * scale)
+    starts = [atoms.copy() for atoms in images]
+    VelocityVerlet(images, 0.5 * units.fs, model=model).run(20)
+    for start, ours in zip(starts, images, strict=True):
+        start.calc = _reference_calculator(aimnet2_file, start.info["charge"])
+        AseVelocityVerlet(start, 0.5 * units.fs).run(20)
+        np.testing.assert_allclose(
+            ours.positions, start.positions, atol=MD_PATH_ATOL, err_msg=str(start)
+        )
+        assert ours.info["charge"] == start.info["charge"]
