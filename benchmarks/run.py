@@ -805,6 +805,7 @@ BENCHMARKS = {
     "kappa": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "kappa"),
     "qha": lambda *a: importlib.import_module("benchmarks.thermal").run(*a, "qha"),
     "md-analysis": lambda *a: importlib.import_module("benchmarks.md_analysis").run(*a),
+    "models": lambda *a: importlib.import_module("benchmarks.models").run(*a),
 }
 
 #: Names ``--only`` takes for several benchmarks at once.

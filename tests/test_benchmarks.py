@@ -30,6 +30,7 @@ SECTIONS = {
     "neb-sevennet": ["6b. NEB on SevenNet-0"],
     "properties": ["9a. Batched property workflows"],
     "properties-sevennet": ["9b. Batched property workflows"],
+    "models": ["12. Models: batched vs each model's own ASE calculator"],
     "surfaces-defects": [
         "Workflows: surface and defect energies, batched vs the ASE loop (LJ"
     ],
@@ -40,6 +41,7 @@ LAUNCHES = {
     "sevennet-neb": ["neb-sevennet", "runners-sevennet", "memory"],
     "sevennet-properties": ["properties-sevennet"],
     "torchrun": ["distributed"],
+    "models": ["models"],
 }
 LAUNCHES["others"] = [
     name for name in BENCHMARKS if all(name not in run for run in LAUNCHES.values())

@@ -312,3 +312,34 @@ def test_langevin_restart_of_a_composed_model_is_exact(composed, tmp_path):
     second.run(3)
     for want, got in zip(reference, continued, strict=True):
         np.testing.assert_array_equal(got.positions, want.positions)
+
+
+def test_zero_damped_d3_composes_like_the_bj_one():
+    """``lj+d3-zero``: the sum of the parts, in the calculator and in FIRE."""
+    from nvalchemi_ase.optimize import FIRE
+
+    zero = "d3-zero(pbe, cutoff=10.0)"
+    parts = (load_model(LJ), load_model(zero))
+    composed = load_model(f"{LJ}+{zero}")
+    assert [type(p).__name__ for p in composed_parts(composed)] == [
+        "LennardJonesModelWrapper",
+        "D3ZeroDamping",
+    ]
+    assert composed_parts(load_model("lj", dispersion="d3-zero"))[1].params[
+        "rs6"
+    ] == pytest.approx(1.217)  # PBE's zero-damping radius scale
+    structures = _structures()
+    properties = ["energy", "forces", "stress"]
+    calc = NVAlchemiCalculator(composed, device="cpu", dtype="float64")
+    _assert_sum(
+        calc.calculate_batch(structures, properties),
+        _summed(parts, structures, properties),
+    )
+    ours = _spread()
+    for atoms in ours:
+        atoms.calc = NVAlchemiCalculator(composed, device="cpu", dtype="float64")
+    FIRE(ours, logfile=None).run(fmax=1e-9, steps=8)
+    for start, mine in zip(_spread(), ours, strict=True):
+        start.calc = _sum_calculator(parts)
+        AseFIRE(start, logfile=None).run(fmax=1e-9, steps=8)
+        np.testing.assert_allclose(mine.positions, start.positions, atol=PATH_ATOL)

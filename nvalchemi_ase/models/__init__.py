@@ -44,6 +44,9 @@ name               model                                       parameters (units
                    functionals' parameters offline from        ``cutoff`` (Å),
                    tad-dftd3 (extra ``d3``;                    ``smoothing_fraction``
                    :mod:`~nvalchemi_ase.models.dispersion`)
+``"d3-zero"``      DFT-D3 with zero damping (``"d3(pbe,        ``functional``,
+                   damping='zero')"``), same tables            ``cutoff`` (Å),
+                   (:mod:`~nvalchemi_ase.models.zero_damping`) ``smoothing_fraction``
 =================  ==========================================  =====================
 
 **Sums of models.** ``"a+b"`` sums the parts' energies, forces and stresses
@@ -158,7 +161,21 @@ registry.register(
         licence="Apache-2.0 (nvalchemi; tables: tad-dftd3)",
         extra="d3",
         weights="tables ship in the tad-dftd3 wheel",
-        aliases=("dftd3", "d3bj"),
+        aliases=("dftd3", "d3bj", "d3-bj"),
+    )
+)
+registry.register(
+    registry.ModelInfo(
+        name="d3-zero",
+        factory=dispersion.d3_zero,
+        summary="DFT-D3 with zero damping, two-body (edge-vector model), by functional",
+        elements="H-Lr (103)",
+        cutoff="15 Å, smoothed from 12 Å (parameters)",
+        dtype="any (the batch's)",
+        licence="Apache-2.0 (tables: tad-dftd3, tad-mctc)",
+        extra="d3",
+        weights="tables ship in the tad-dftd3 and tad-mctc wheels",
+        aliases=("d3zero",),
     )
 )
 

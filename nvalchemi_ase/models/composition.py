@@ -115,11 +115,33 @@ def compose(
     pipeline = import_quietly("nvalchemi.models.pipeline")
     parts = [part for model in models for part in _direct_parts(model)]
     composed: BaseModelMixin = _composed_class()(
-        groups=[pipeline.PipelineGroup(steps=[part]) for part in parts],
+        groups=_groups(pipeline, parts),
         neighbor_adaptation=neighbor_adaptation,
         max_cutoff_ratio=max_cutoff_ratio,
     )
     return composed
+
+
+def _groups(pipeline: Any, parts: list[Any]) -> list[Any]:
+    """Return nvalchemi's pipeline groups for ``parts``, summed.
+
+    One summing group per part; a part that reads an output of the part
+    before it (Ewald and PME read AIMNet2's ``charges``) joins that part's group,
+    and the group takes its forces and stress by autograd of the summed energy
+    (nvalchemi's AIMNet2 + Ewald example), so they include the charges'
+    dependence on the positions.
+    """
+    chains: list[list[Any]] = []
+    for part in parts:
+        wanted = set(part.model_config.required_inputs)
+        if chains and wanted & set(chains[-1][-1].model_config.outputs):
+            chains[-1].append(part)
+        else:
+            chains.append([part])
+    return [
+        pipeline.PipelineGroup(steps=chain, use_autograd=len(chain) > 1)
+        for chain in chains
+    ]
 
 
 def adopt(model: Any) -> Any:

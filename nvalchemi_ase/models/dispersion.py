@@ -38,8 +38,10 @@ against:
   relative precision is ~1e-7 whatever the batch dtype.
 
 Only rational damping exists in the kernel: ``damping="bj"`` (D3(BJ)) and
-``"bjm"`` (modified BJ, same functional form). Zero damping (``"zero"``,
-``"zerom"``), optimised power and CSO raise a ``ValueError`` saying so.
+``"bjm"`` (modified BJ, same functional form). Zero damping, ``damping="zero"``
+(or the name ``"d3-zero"``), is the edge-vector model of
+:mod:`~nvalchemi_ase.models.zero_damping` on the same tables. Modified zero
+damping (``"zerom"``), optimised power and CSO raise a ``ValueError`` saying so.
 """
 
 from __future__ import annotations
@@ -70,12 +72,20 @@ __all__ = [
     "d3_functionals",
     "d3_parameter_file",
     "d3_parameters",
+    "d3_zero",
 ]
 
-#: Damping functions nvalchemiops' kernel implements (rational / Becke-Johnson).
-D3_DAMPINGS = ("bj", "bjm")
+#: Damping functions: rational / Becke-Johnson (nvalchemiops' kernel) and zero
+#: damping (:mod:`~nvalchemi_ase.models.zero_damping`).
+D3_DAMPINGS = ("bj", "bjm", "zero")
 #: Other D3 dampings s-dftd3 knows, refused with an explanation.
-_OTHER_DAMPINGS = ("zero", "zerom", "op", "cso")
+_OTHER_DAMPINGS = ("zerom", "op", "cso")
+#: Parameters of each damping function, as s-dftd3 names them.
+_PARAMETER_NAMES = {
+    "bj": ("s6", "s8", "a1", "a2"),
+    "bjm": ("s6", "s8", "a1", "a2"),
+    "zero": ("s6", "s8", "rs6", "rs8", "alp"),
+}
 #: Largest atomic number in nvalchemi's D3 table layout, and references per element.
 _MAX_Z = 94
 _REFERENCES = 5
@@ -105,12 +115,15 @@ def d3_parameters(functional: str = "pbe", damping: str = "bj") -> dict[str, flo
         Functional name, case- and hyphen-insensitive, with s-dftd3's aliases
         (``"PBE"``, ``"b3-lyp"``, ``"b3lyp5"``, ``"r2scan"``, ``"pbe0"``).
     damping : str
-        ``"bj"`` (Becke-Johnson rational damping) or ``"bjm"`` (modified BJ).
+        ``"bj"`` (Becke-Johnson rational damping), ``"bjm"`` (modified BJ) or
+        ``"zero"`` (zero damping).
 
     Returns
     -------
     dict of str to float
-        ``s6``, ``s8``, ``a1`` (dimensionless) and ``a2`` (Bohr).
+        Rational damping: ``s6``, ``s8``, ``a1`` (dimensionless) and ``a2``
+        (Bohr). Zero damping: ``s6``, ``s8``, ``rs6``, ``rs8`` and ``alp``
+        (dimensionless).
 
     Raises
     ------
@@ -137,11 +150,13 @@ def d3_parameters(functional: str = "pbe", damping: str = "bj") -> dict[str, flo
     if damping not in variants:
         raise ValueError(
             f"d3: functional {functional!r} has no D3({damping}) parameters; it has "
-            f"{', '.join(sorted(variants)) or 'none'} (this kernel takes "
-            f"{' or '.join(D3_DAMPINGS)})"
+            f"{', '.join(sorted(variants)) or 'none'} (implemented: "
+            f"{', '.join(D3_DAMPINGS)})"
         )
     merged = {**table["default"]["parameter"]["d3"][damping], **variants[damping]}
-    return {name: float(merged[name]) for name in ("s6", "s8", "a1", "a2")}
+    # s-dftd3 takes s8 = 0 where a functional's entry has none (cf22d, zero)
+    merged.setdefault("s8", 0.0)
+    return {name: float(merged[name]) for name in _PARAMETER_NAMES[damping]}
 
 
 def d3_functionals(damping: str = "bj") -> list[str]:
@@ -150,7 +165,7 @@ def d3_functionals(damping: str = "bj") -> list[str]:
     Parameters
     ----------
     damping : str
-        ``"bj"`` or ``"bjm"``.
+        ``"bj"``, ``"bjm"`` or ``"zero"``.
 
     Returns
     -------
@@ -172,15 +187,16 @@ def d3(
     cutoff: float = 15.0,
     smoothing_fraction: float = 0.2,
 ) -> BaseModelMixin:
-    """DFT-D3 dispersion (two-body, rational damping) for a named functional.
+    """DFT-D3 dispersion (two-body) for a named functional.
 
     Parameters
     ----------
     functional : str
         The DFT functional the correction is for (see :func:`d3_parameters`).
     damping : str
-        ``"bj"`` (default) or ``"bjm"``; zero damping is not implemented by
-        nvalchemiops' kernel and raises ``ValueError``.
+        ``"bj"`` (default) or ``"bjm"`` (rational damping, nvalchemi's
+        ``DFTD3ModelWrapper``), or ``"zero"`` (zero damping,
+        :mod:`~nvalchemi_ase.models.zero_damping`; also ``"d3-zero"``).
     cutoff : float
         Real-space cutoff for pairs and coordination numbers, Å.
     smoothing_fraction : float
@@ -192,7 +208,8 @@ def d3(
     BaseModelMixin
         nvalchemi's ``DFTD3ModelWrapper`` (energy eV [B, 1], forces eV/Å, stress
         eV/Å³ for periodic cells) with float64 tables, ``supported_elements``
-        :data:`D3_ELEMENTS`, and a ``memory_estimate``.
+        :data:`D3_ELEMENTS`, and a ``memory_estimate``; for zero damping the
+        model of :mod:`~nvalchemi_ase.models.zero_damping` (H-Lr).
     """
     if not isinstance(functional, str):
         raise TypeError(f"d3: functional must be a str, got {functional!r}")
@@ -205,6 +222,10 @@ def d3(
             f"d3: smoothing_fraction must be in [0, 1), got {smoothing_fraction}"
         )
     params = d3_parameters(functional, damping)
+    if _damping(damping) == "zero":
+        from nvalchemi_ase.models.zero_damping import d3_zero_model
+
+        return d3_zero_model(params, cutoff, smoothing_fraction)
     model = _d3_class()(
         a1=params["a1"],
         a2=params["a2"],
@@ -321,13 +342,35 @@ def _damping(damping: str) -> str:
         return key
     if key in _OTHER_DAMPINGS:
         raise ValueError(
-            f"d3: damping {damping!r} is not available: nvalchemiops' D3 kernel "
-            "implements only rational (Becke-Johnson) damping, damping='bj' or "
-            "'bjm'"
+            f"d3: damping {damping!r} is not available: implemented are rational "
+            "(Becke-Johnson) damping, damping='bj' or 'bjm' (nvalchemiops' "
+            "kernel), and zero damping, damping='zero'"
         )
     raise ValueError(
-        f"d3: unknown damping {damping!r}; use 'bj' or 'bjm' (rational damping)"
+        f"d3: unknown damping {damping!r}; use 'bj', 'bjm' (rational damping) or 'zero'"
     )
+
+
+def d3_zero(
+    functional: str = "pbe", cutoff: float = 15.0, smoothing_fraction: float = 0.2
+) -> BaseModelMixin:
+    """DFT-D3 with zero damping: ``d3(functional, damping="zero", ...)``.
+
+    Parameters
+    ----------
+    functional : str
+        The DFT functional (see :func:`d3_parameters`).
+    cutoff : float
+        Real-space cutoff for pairs and coordination numbers, Å.
+    smoothing_fraction : float
+        Fraction of ``cutoff`` over which pair energies are tapered, [0, 1).
+
+    Returns
+    -------
+    BaseModelMixin
+        See :mod:`~nvalchemi_ase.models.zero_damping`.
+    """
+    return d3(functional, "zero", cutoff, smoothing_fraction)
 
 
 def _normalized(functional: str) -> str:
