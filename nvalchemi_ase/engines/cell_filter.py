@@ -238,7 +238,7 @@ def _voigt_rows(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def _strain_matrix(rows: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
-    """``1 + ε`` of ``StrainFilter`` rows (masked), the inverse of :func:`_strain_rows`."""
+    """``1 + ε`` of (masked) ``StrainFilter`` rows; inverse of :func:`_strain_rows`."""
     xx, yy, zz = rows[:, 0].unbind(-1)
     yz, xz, xy = (0.5 * rows[:, 1]).unbind(-1)
     strain = torch.stack(

@@ -111,6 +111,13 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         if isinstance(rng, int | np.integer):
             rng = np.random.default_rng(int(rng))
         self.seed = resolve_seed(seed, rng)
+        if temperature_K is not None and rng is None and seed is None:
+            warnings.warn(  # ASE's warning; the drawn seed reproduces the run
+                f"No rng provided, generated one with seed={self.seed} (pass "
+                "seed= or rng= for a reproducible run)",
+                UserWarning,
+                stacklevel=2,
+            )
         self._T_tau_given, self._P_tau_given = T_tau, P_tau
         self._P_mass_given, self.P_mass_factor = P_mass, float(P_mass_factor)
         super().__init__(images, timestep, **kwargs)
@@ -190,12 +197,12 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
             return
         if self._P_tau_given is None:
             source = (
-                "got `T_tau`, defaulting to 20 * `T_tau`"
+                ", got `T_tau`, defaulting to 20 * `T_tau`"
                 if self.T_tau is not None
-                else "`T_tau`, defaulting to 1000 * `timestep`"
+                else " and `T_tau`, defaulting to 1000 * `timestep`"
             )
             warnings.warn(
-                f"Got `externalstress` but missing `P_tau`, {source} = {self.P_tau}",
+                f"Got `externalstress` but missing `P_tau`{source} = {self.P_tau}",
                 UserWarning,
                 stacklevel=4,
             )
