@@ -19,6 +19,7 @@ import numpy.typing as npt
 from ase import units
 from ase.stress import voigt_6_to_full_3x3_stress
 
+from nvalchemi_ase._compat import engine_state
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.md.md import VariableCellMolecularDynamics, resolve_seed
@@ -152,6 +153,26 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         sizes = np.array([len(atoms) for atoms in self.images], dtype=np.float64)
         heuristic = ((P_tau / 4.0) / _MASS_HEURISTIC_TIME * sizes ** (1.0 / 6.0)) ** 2
         return heuristic * self.P_mass_factor
+
+    @property
+    def p_eps(self) -> Any:
+        """The barostat momentum, eV · ASE time (ASE's attribute; None without one).
+
+        One structure: a float (``hydrostatic``) or a (3, 3) array, as ASE;
+        several: shape (B,) or (B, 3, 3). 0.0 before the first step, as ASE.
+        """
+        if self.externalstress is None:
+            return None
+        state = engine_state(self.engine)
+        count = len(self.images)
+        if state is None:
+            momentum = np.zeros((count, 3, 3))
+        else:
+            momentum = state.p_eps.detach().cpu().numpy().astype(np.float64)
+        value: Any = momentum[:, 0, 0] if self.hydrostatic else momentum
+        if count == 1:
+            return float(value[0]) if self.hydrostatic else value[0]
+        return value
 
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat and barostat parameters."""
