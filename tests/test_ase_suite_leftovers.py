@@ -302,3 +302,47 @@ def test_per_atom_stresses_are_not_offered_but_the_ideal_gas_part_is(lj_calc64):
     np.testing.assert_allclose(atoms.get_stress(), 0.0, atol=1e-14)
     with pytest.raises(PropertyNotImplementedError):
         atoms.get_stresses()
+
+
+def test_fire_downhill_check_follows_ases_path_through_a_near_collision():
+    """ase/test/optimize/test_fire.py with ``downhill_check=True``.
+
+    ASE's path on distorted argon brings two atoms within 0.04 Å, then goes
+    back (the energy rose). The calculator refuses such a pair as a duplicated
+    site when it is *given* one (input); inside a run the dynamics do not
+    check it, so this package's FIRE takes ASE's path. Reference and run use
+    the same ASE ``LennardJones`` (shifted, as ASE's), through the same numbers.
+    """
+    from ase.calculators.lj import LennardJones
+
+    from tests.ase_suite.ase_model import AseCalculatorModel
+
+    kwargs = {"dtmax": 1.0, "dt": 1.0, "maxstep": 100.0, "downhill_check": True}
+
+    def lj():
+        return LennardJones(sigma=3.4, epsilon=0.0104, rc=8.5)
+
+    reference = _distorted_argon()
+    reference.calc = lj()
+    ase_opt = AseFIRE(reference, logfile=None, **kwargs)
+    closest = []
+
+    def watch():
+        distances = reference.get_all_distances(mic=True)
+        closest.append(distances[np.triu_indices(len(reference), 1)].min())
+
+    ase_opt.attach(watch)
+    assert ase_opt.run(fmax=0.001, steps=500)
+    assert min(closest) < 0.1  # what the calculator refuses on input
+    atoms = _distorted_argon()
+    model = AseCalculatorModel([lj()])
+    atoms.calc = NVAlchemiCalculator(model, device="cpu", dtype="float64")
+    opt = FIRE(atoms, logfile=None, **kwargs)
+    assert opt.run(fmax=0.001, steps=500)
+    assert opt.failures == []
+    assert opt.nsteps == ase_opt.nsteps
+    # the path passes through 1e21 eV: rounding there leaves 4e-8 Å (measured)
+    np.testing.assert_allclose(atoms.positions, reference.positions, atol=1e-6)
+    assert atoms.get_potential_energy() == pytest.approx(
+        reference.get_potential_energy(), abs=ENERGY_TOL
+    )
