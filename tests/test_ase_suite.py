@@ -88,6 +88,7 @@ def ase_suite_report(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # ~12 min on two busy cores (ASE's own: ~3 min)
 def test_ase_suite_fails_exactly_the_documented_tests(ase_suite_report):
     failed = {
         node
@@ -101,6 +102,7 @@ def test_ase_suite_fails_exactly_the_documented_tests(ase_suite_report):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # builds the report when run alone
 def test_ase_suite_runs_this_package_in_most_tests(ase_suite_report):
     """Scope: tests that construct one of this package's classes (README)."""
     in_scope = [entry for entry in ase_suite_report.values() if entry["used"]]
