@@ -112,13 +112,7 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         if isinstance(rng, int | np.integer):
             rng = np.random.default_rng(int(rng))
         self.seed = resolve_seed(seed, rng)
-        if temperature_K is not None and rng is None and seed is None:
-            warnings.warn(  # ASE's warning; the drawn seed reproduces the run
-                f"No rng provided, generated one with seed={self.seed} (pass "
-                "seed= or rng= for a reproducible run)",
-                UserWarning,
-                stacklevel=2,
-            )
+        self._seed_drawn = rng is None and seed is None
         self._T_tau_given, self._P_tau_given = T_tau, P_tau
         self._P_mass_given, self.P_mass_factor = P_mass, float(P_mass_factor)
         super().__init__(images, timestep, **kwargs)
@@ -207,6 +201,13 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
 
     def _warn_defaults(self) -> None:
         """ASE's warnings for defaulted time constants and the heuristic mass."""
+        if self.temperature_K is not None and self._seed_drawn:
+            warnings.warn(  # ASE's warning; the drawn seed reproduces the run
+                f"No rng provided, generated one with seed={self.seed} (pass "
+                "seed= or rng= for a reproducible run)",
+                UserWarning,
+                stacklevel=4,
+            )
         if self.temperature_K is not None and self._T_tau_given is None:
             warnings.warn(
                 "Got `temperature_K` but missing `T_tau`, defaulting to 50 * "
