@@ -353,6 +353,17 @@ def prime_engine(engine: BaseDynamics, batch: Batch) -> None:
     engine._forces_primed = True
 
 
+def evaluate_again(engine: BaseDynamics, batch: Batch) -> None:
+    """Evaluate the model at the batch's current positions, inside a step.
+
+    ``BEFORE_COMPUTE`` (neighbour lists) → model → ``AFTER_COMPUTE``
+    (constraints' force adjustment, failure checks), as at the start of a
+    run, ``step_count`` unchanged: for an engine that moves and needs the
+    forces there before it finishes its step (ASE's FIRE2 after a restart).
+    """
+    engine._prime_forces(batch, engine.active_graph_mask(batch, engine.exit_status))
+
+
 def ensure_bookkeeping_fields(engine: BaseDynamics, batch: Batch) -> None:
     """Give ``batch`` the ``status`` (and per-stage counter) columns now."""
     engine._ensure_bookkeeping_fields(batch)

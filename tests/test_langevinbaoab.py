@@ -241,7 +241,14 @@ def test_ase_argument_rules_are_kept(lj_calc64):
             model=lj_calc64.model,
         )
     with pytest.warns(UserWarning, match="missing `T_tau`"):
-        dyn = LangevinBAOAB(_pair(), DT, temperature_K=T0, model=lj_calc64.model)
+        dyn = LangevinBAOAB(
+            _pair(), DT, temperature_K=T0, seed=1, model=lj_calc64.model
+        )
     assert dyn.T_tau == pytest.approx(50 * DT)
+    with pytest.warns(UserWarning, match="No rng provided, generated one") as record:
+        dyn = LangevinBAOAB(
+            _pair(), DT, temperature_K=T0, T_tau=20 * DT, model=lj_calc64.model
+        )  # as ASE's, naming the seed drawn (which reproduces the run)
+    assert any(f"seed={dyn.seed} " in str(w.message) for w in record)
     with pytest.raises(ValueError, match="T_tau must be positive"):
         LangevinBAOAB(_pair(), DT, temperature_K=T0, T_tau=-1.0, model=lj_calc64.model)

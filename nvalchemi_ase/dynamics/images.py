@@ -131,7 +131,11 @@ def resolve_images(
     kind = filters[0]
     assert kind is not None  # noqa: S101 - narrowed above
     factors = [
-        float(getattr(item, "exp_cell_factor", None) or item.cell_factor)
+        float(
+            getattr(item, "exp_cell_factor", None)
+            or getattr(item, "cell_factor", None)
+            or 1.0  # StrainFilter: its rows are the strain, its forces -V σ
+        )
         for item in items
     ]
     atoms = [item.atoms for item in items]
@@ -140,27 +144,34 @@ def resolve_images(
 
 
 def _filter_kind(item: Any) -> str | None:
-    from ase.filters import FrechetCellFilter, UnitCellFilter
+    from ase.filters import FrechetCellFilter, StrainFilter, UnitCellFilter
 
     if isinstance(item, FrechetCellFilter):
         return "FrechetCellFilter"
+    if type(item) is StrainFilter:
+        return "StrainFilter"
     if isinstance(item, UnitCellFilter):
         if type(item) is not UnitCellFilter:
             raise TypeError(
-                f"{type(item).__name__} is not supported; use FrechetCellFilter or "
-                "UnitCellFilter"
+                f"{type(item).__name__} is not supported; use FrechetCellFilter, "
+                "UnitCellFilter or StrainFilter"
             )
         return "UnitCellFilter"
     if hasattr(item, "atoms") and not isinstance(item, Atoms):
         raise TypeError(
-            f"{type(item).__name__} is not supported; use FrechetCellFilter or "
-            "UnitCellFilter for a variable cell, or plain Atoms"
+            f"{type(item).__name__} is not supported; use FrechetCellFilter, "
+            "UnitCellFilter or StrainFilter for a variable cell, or plain Atoms"
         )
     return None
 
 
 def _check_filter_options(index: int, item: Any) -> None:
-    pressure = item.scalar_pressure
+    if getattr(item, "include_ideal_gas", False):
+        raise ValueError(
+            f"images[{index}]: StrainFilter(include_ideal_gas=True) is not supported "
+            "(the model's stress has no kinetic part); use include_ideal_gas=False"
+        )
+    pressure = getattr(item, "scalar_pressure", 0.0)
     if isinstance(pressure, bool) or not np.isfinite(float(pressure)):
         raise ValueError(
             f"images[{index}]: scalar_pressure must be a finite number, eV/Å³ "

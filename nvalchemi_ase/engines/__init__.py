@@ -11,6 +11,8 @@ checks and ``status`` masking, and (through :mod:`nvalchemi_ase.md` and
 engine                   ASE algorithm              ASE-style class
 =======================  =========================  ==================================
 ``FIRE``                 ``ase.optimize.FIRE``      ``nvalchemi_ase.optimize.FIRE``
+``ABCFIRE2``             ``ase.optimize.FIRE2``     ``nvalchemi_ase.optimize.FIRE2``
+                         (``use_abc=True``)         (``use_abc=True``)
 ``BFGS``                 ``ase.optimize.BFGS``      ``nvalchemi_ase.optimize.BFGS``
 ``MDMin``                ``ase.optimize.MDMin``     ``nvalchemi_ase.optimize.MDMin``
 ``NVTBussi``             ``ase.md.bussi.Bussi``     ``nvalchemi_ase.md.Bussi``
@@ -36,11 +38,13 @@ from nvalchemi_ase.engines.berendsen import NVTBerendsen
 from nvalchemi_ase.engines.bfgs import BFGS
 from nvalchemi_ase.engines.bussi import NVTBussi
 from nvalchemi_ase.engines.fire import FIRE
+from nvalchemi_ase.engines.fire2 import ABCFIRE2
 from nvalchemi_ase.engines.langevin_hoover import LangevinHooverBAOAB
 from nvalchemi_ase.engines.mdmin import MDMin
 from nvalchemi_ase.engines.mtk import ChainNPT
 
 __all__ = [
+    "ABCFIRE2",
     "BFGS",
     "FIRE",
     "ChainNPT",

@@ -19,7 +19,13 @@ ASE 3.29's ``CellUtility``, which the filters call). With the deformation gradie
 * setting the coordinates: ``F' = (cell rows)/c`` (Fréchet:
   ``exp(rows / e) / c``), ``G = 1 + (F' - 1)ᵀ ∘ mask``, cell ``L0 G`` and
   positions ``x G``;
-* the filter's energy is ``E + p V``.
+* the filter's energy is ``E + p V``;
+* ``StrainFilter`` (``strain``): the atoms keep their fractional positions
+  (atom rows fixed, forces zero); the first two cell rows are ASE's Voigt
+  strain ε (xx yy zz / yz xz xy) with the cell ``L0 (1 + ε)`` (shear halved,
+  symmetric), their forces ``-V σ`` (Voigt) times the filter's 6-mask, the
+  third row is zero (ASE's filter has 2 rows; a zero row moves nothing and
+  adds nothing to the norms).
 
 Shapes: ``V`` atoms, ``B`` structures; cells and cell rows [B, 3, 3].
 Inverses and determinants are cofactor formulas, not LAPACK calls: a batched
@@ -83,7 +89,11 @@ class CellFilterCoordinates:
     constant_volume : torch.Tensor
         [B] bool.
     mask : torch.Tensor
-        [B, 3, 3] 0/1 cell components that move (ASE's ``mask3x3``).
+        [B, 3, 3] 0/1 cell components that move (ASE's ``mask3x3``); for
+        ``strain`` the 6-mask as rows (xx yy zz / yz xz xy / 0 0 0).
+    strain : bool
+        ``StrainFilter`` (True): only the cell moves, atoms keep fractional
+        positions.
     """
 
     frechet: bool
@@ -95,6 +105,7 @@ class CellFilterCoordinates:
     hydrostatic: torch.Tensor
     constant_volume: torch.Tensor
     mask: torch.Tensor
+    strain: bool = False
     _reference_inverse: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +121,8 @@ class CellFilterCoordinates:
         deformation = self.deformation(cell)
         index = batch.batch_idx.long()
         atoms = _row_times(batch.positions.detach(), inverse3(deformation).mT, index)
+        if self.strain:
+            return atoms, _strain_rows(deformation)
         if not self.frechet:
             return atoms, self.cell_factor.view(-1, 1, 1) * deformation
         identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
@@ -132,6 +145,12 @@ class CellFilterCoordinates:
             [B, 3, 3] cell rows.
         """
         identity = torch.eye(3, dtype=atoms.dtype, device=atoms.device)
+        if self.strain:
+            gradient = _strain_matrix(cell_rows * self.mask, identity)
+            index = batch.batch_idx.long()
+            batch.cell.copy_(self.reference @ gradient)
+            batch.positions.copy_(_row_times(atoms, gradient, index))
+            return
         if self.frechet:  # exp(X / e) / c, the log N 1 of the rows taken out first
             log_count = torch.log(self.atom_count).view(-1, 1, 1)
             scaled = cell_rows / self.exp_cell_factor.view(-1, 1, 1)
@@ -161,6 +180,9 @@ class CellFilterCoordinates:
         deformation = self.deformation(cell)
         identity = torch.eye(3, dtype=cell.dtype, device=cell.device)
         volume = determinant3(cell).abs().view(-1, 1, 1)
+        if self.strain:
+            stress = _voigt_rows(batch.stress.detach())
+            return torch.zeros_like(atom_forces), -volume * stress * self.mask
         stress = batch.stress.detach() + self.pressure.view(-1, 1, 1) * identity
         virial = -volume * stress
         atoms = _row_times(atom_forces, deformation, batch.batch_idx.long())
@@ -193,6 +215,41 @@ class CellFilterCoordinates:
         return torch.where(
             self.constant_volume.view(-1, 1, 1), force - trace * identity, force
         )
+
+
+def _strain_rows(deformation: torch.Tensor) -> torch.Tensor:
+    """ASE's ``StrainFilter`` rows of ``L0⁻¹ L`` (= 1 + ε), [B, 3, 3].
+
+    Row 0: ε_xx, ε_yy, ε_zz; row 1: the engineering shears 2 ε_yz, 2 ε_xz,
+    2 ε_xy; row 2: zero.
+    """
+    identity = torch.eye(3, dtype=deformation.dtype, device=deformation.device)
+    engineering = torch.tensor(
+        [[1.0], [2.0], [0.0]], dtype=deformation.dtype, device=deformation.device
+    )
+    return _voigt_rows(deformation - identity) * engineering
+
+
+def _voigt_rows(matrix: torch.Tensor) -> torch.Tensor:
+    """Voigt rows of [B, 3, 3] matrices: (xx, yy, zz), (yz, xz, xy), (0, 0, 0)."""
+    diagonal = matrix.diagonal(dim1=-2, dim2=-1)
+    shear = torch.stack([matrix[:, 1, 2], matrix[:, 0, 2], matrix[:, 0, 1]], dim=-1)
+    return torch.stack([diagonal, shear, torch.zeros_like(shear)], dim=1)
+
+
+def _strain_matrix(rows: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+    """``1 + ε`` of (masked) ``StrainFilter`` rows; inverse of :func:`_strain_rows`."""
+    xx, yy, zz = rows[:, 0].unbind(-1)
+    yz, xz, xy = (0.5 * rows[:, 1]).unbind(-1)
+    strain = torch.stack(
+        [
+            torch.stack([xx, xy, xz], dim=-1),
+            torch.stack([xy, yy, yz], dim=-1),
+            torch.stack([xz, yz, zz], dim=-1),
+        ],
+        dim=1,
+    )
+    return identity + strain
 
 
 def logm(matrix: torch.Tensor) -> torch.Tensor:

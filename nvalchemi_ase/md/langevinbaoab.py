@@ -19,6 +19,7 @@ import numpy.typing as npt
 from ase import units
 from ase.stress import voigt_6_to_full_3x3_stress
 
+from nvalchemi_ase._compat import engine_state
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.md.md import VariableCellMolecularDynamics, resolve_seed
@@ -125,6 +126,7 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         if isinstance(rng, int | np.integer):
             rng = np.random.default_rng(int(rng))
         self.seed = resolve_seed(seed, rng)
+        self._seed_drawn = rng is None and seed is None
         self._T_tau_given, self._P_tau_given = T_tau, P_tau
         self._P_mass_given, self.P_mass_factor = P_mass, float(P_mass_factor)
         super().__init__(images, timestep, **kwargs)
@@ -160,6 +162,26 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         heuristic = ((P_tau / 4.0) / _MASS_HEURISTIC_TIME * sizes ** (1.0 / 6.0)) ** 2
         return heuristic * self.P_mass_factor
 
+    @property
+    def p_eps(self) -> Any:
+        """The barostat momentum, eV · ASE time (ASE's attribute; None without one).
+
+        One structure: a float (``hydrostatic``) or a (3, 3) array, as ASE;
+        several: shape (B,) or (B, 3, 3). 0.0 before the first step, as ASE.
+        """
+        if self.externalstress is None:
+            return None
+        state = engine_state(self.engine)
+        count = len(self.images)
+        if state is None:
+            momentum = np.zeros((count, 3, 3))
+        else:
+            momentum = state.p_eps.detach().cpu().numpy().astype(np.float64)
+        value: Any = momentum[:, 0, 0] if self.hydrostatic else momentum
+        if count == 1:
+            return float(value[0]) if self.hydrostatic else value[0]
+        return value
+
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat and barostat parameters."""
         return super().todict() | {
@@ -190,6 +212,13 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
 
     def _warn_defaults(self) -> None:
         """ASE's warnings for defaulted time constants and the heuristic mass."""
+        if self.temperature_K is not None and self._seed_drawn:
+            warnings.warn(  # ASE's warning; the drawn seed reproduces the run
+                f"No rng provided, generated one with seed={self.seed} (pass "
+                "seed= or rng= for a reproducible run)",
+                UserWarning,
+                stacklevel=4,
+            )
         if self.temperature_K is not None and self._T_tau_given is None:
             warnings.warn(
                 "Got `temperature_K` but missing `T_tau`, defaulting to 50 * "
@@ -201,12 +230,12 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
             return
         if self._P_tau_given is None:
             source = (
-                "got `T_tau`, defaulting to 20 * `T_tau`"
+                ", got `T_tau`, defaulting to 20 * `T_tau`"
                 if self.T_tau is not None
-                else "`T_tau`, defaulting to 1000 * `timestep`"
+                else " and `T_tau`, defaulting to 1000 * `timestep`"
             )
             warnings.warn(
-                f"Got `externalstress` but missing `P_tau`, {source} = {self.P_tau}",
+                f"Got `externalstress` but missing `P_tau`{source} = {self.P_tau}",
                 UserWarning,
                 stacklevel=4,
             )

@@ -170,8 +170,15 @@ def filter_options(
     Raises
     ------
     ValueError
-        For a mask on a structure whose cell had to be rotated.
+        For a mask on a structure whose cell had to be rotated, or a
+        ``StrainFilter`` (only the engines of FIRE, BFGS, MDMin run it).
     """
+    if any(not hasattr(f, "scalar_pressure") for f in filters):
+        raise ValueError(
+            "StrainFilter is run by FIRE, BFGS and MDMin (ASE's filter coordinates); "
+            "this optimizer's nvalchemi variable-cell engine moves the atoms too. "
+            "Use FIRE, BFGS or MDMin, or UnitCellFilter/FrechetCellFilter"
+        )
     pressure = np.array([float(f.scalar_pressure) for f in filters])
     hydrostatic = np.array([bool(f.hydrostatic_strain) for f in filters])
     constant = np.array([bool(f.constant_volume) for f in filters])
@@ -214,10 +221,10 @@ def filter_coordinates(
 
     Parameters
     ----------
-    filters : sequence of FrechetCellFilter or UnitCellFilter
+    filters : sequence of FrechetCellFilter, UnitCellFilter or StrainFilter
         One filter per structure, in batch order.
     kind : str
-        ``"FrechetCellFilter"`` or ``"UnitCellFilter"``.
+        ``"FrechetCellFilter"``, ``"UnitCellFilter"`` or ``"StrainFilter"``.
     batch : nvalchemi.data.Batch
         The batch (device, dtype).
 
@@ -232,6 +239,8 @@ def filter_coordinates(
     def tensor(values: Any, kind: torch.dtype = dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values), dtype=kind, device=device)
 
+    if kind == "StrainFilter":
+        return _strain_coordinates(filters, tensor)
     frechet = kind == "FrechetCellFilter"
     cell_factor = [float(f.cell_factor) for f in filters]
     return CellFilterCoordinates(
@@ -246,4 +255,28 @@ def filter_coordinates(
         hydrostatic=tensor([bool(f.hydrostatic_strain) for f in filters], torch.bool),
         constant_volume=tensor([bool(f.constant_volume) for f in filters], torch.bool),
         mask=tensor(np.stack([np.asarray(f.mask, dtype=np.float64) for f in filters])),
+    )
+
+
+def _strain_coordinates(filters: Sequence[Any], tensor: Any) -> CellFilterCoordinates:
+    """ASE's ``StrainFilter`` (only the cell moves) as filter coordinates."""
+    from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
+
+    count = len(filters)
+    masks = [
+        np.concatenate([np.asarray(f.mask, dtype=np.float64).ravel(), np.zeros(3)])
+        for f in filters
+    ]
+    ones = tensor(np.ones(count))
+    return CellFilterCoordinates(
+        frechet=False,
+        reference=tensor(np.stack([np.asarray(f.origcell) for f in filters])),
+        cell_factor=ones,
+        exp_cell_factor=ones,
+        atom_count=tensor([float(len(f.atoms)) for f in filters]),
+        pressure=tensor(np.zeros(count)),
+        hydrostatic=tensor(np.zeros(count, dtype=bool), torch.bool),
+        constant_volume=tensor(np.zeros(count, dtype=bool), torch.bool),
+        mask=tensor(np.stack(masks).reshape(count, 3, 3)),
+        strain=True,
     )
