@@ -36,24 +36,16 @@ EXPECTED_FAILURES = {
     "1000-step KL bound holds for ASE's random stream only": [
         "md/test_position_distribution.py::test_position_distribution",
     ],
-    # issue #27 item 3 (RATTLE), being built on another branch: these go
-    # when FixBondLengths / FixLinearTriatomic are honoured
-    "FixBondLengths refused": [
-        "md/test_md_logger.py::test_optimizer[BFGS]",
-        "md/test_md_logger.py::test_optimizer[FIRE]",
-        "md/test_md_logger_interval.py::"
-        "test_optimization_log_and_trajectory_length[BFGS]",
-        "md/test_md_logger_interval.py::"
-        "test_optimization_log_and_trajectory_length[FIRE]",
-    ],
     # not explained yet (README): NPH enthalpy check on LangevinBAOAB's
     # trajectory; ASE's own CellAwareBFGS restart fails only beside the swap
     "not explained yet": [
         "md/test_langevinbaoab.py::test_LangevinBAOAB_NsH",
         "optimize/test_optimizer_restart.py::test_optimizers_restart[CellAwareBFGS]",
-    ],
-    "FixLinearTriatomic refused": [
-        "md/test_CO2linear_Au111_langevin.py::test_CO2linear_Au111_langevin",
+        # FixBondLengths water dimer: the log's fmax (the RATTLE-projected
+        # forces) is 0.157 eV/Å where the trajectory frame's forces read back
+        # give 0.187 (FIRE: 0.187 / 0.197)
+        "md/test_md_logger.py::test_optimizer[BFGS]",
+        "md/test_md_logger.py::test_optimizer[FIRE]",
     ],
 }
 
