@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nvalchemi_ase._compat import neighbor_list_cutoff
+from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import batch_field
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EdgeGraph",
+    "EdgeVectorModule",
     "batch_field",
     "edge_gradient",
     "edge_graph",
@@ -44,6 +46,65 @@ __all__ = [
     "forces_from_edges",
     "stress_from_edges",
 ]
+
+
+class EdgeVectorModule(torch.nn.Module):
+    """The parts of nvalchemi's model interface every edge-vector model shares.
+
+    Subclasses call :meth:`configure_edge_outputs` in ``__init__`` and
+    compute their energy from :class:`EdgeGraph`; they publish no embeddings.
+    Combined with nvalchemi's ``BaseModelMixin`` where the class is built.
+    """
+
+    model_config: Any
+    cutoff: float
+
+    def configure_edge_outputs(self, cutoff: float) -> None:
+        """Set ``cutoff`` (Å) and the ``model_config`` of an edge-vector model.
+
+        Energy, forces and stress (the last two by autograd through the edge
+        vectors), periodic cells, a COO neighbour list at ``cutoff``; energy
+        and forces active until stress is asked for.
+        """
+        base = import_quietly("nvalchemi.models.base")
+        self.cutoff = float(cutoff)
+        self.model_config = base.ModelConfig(
+            outputs=frozenset({"energy", "forces", "stress"}),
+            autograd_outputs=frozenset({"forces", "stress"}),
+            supports_pbc=True,
+            neighbor_config=base.NeighborConfig(
+                cutoff=self.cutoff, format=base.NeighborListFormat.COO
+            ),
+            active_outputs={"energy", "forces"},
+        )
+
+    @property
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Embeddings this model publishes: none.
+
+        Returns
+        -------
+        dict
+            Empty.
+        """
+        return {}
+
+    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
+        """Not available: this model publishes no embeddings.
+
+        Parameters
+        ----------
+        data : Batch
+            Ignored.
+        **kwargs
+            Ignored.
+
+        Raises
+        ------
+        NotImplementedError
+            Always.
+        """
+        raise NotImplementedError(f"{type(self).__name__} publishes no embeddings")
 
 
 @dataclass

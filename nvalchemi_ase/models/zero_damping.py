@@ -37,7 +37,11 @@ import torch
 from ase.units import Bohr, Hartree
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.models.edge_vectors import EdgeGraph, edge_vector_outputs
+from nvalchemi_ase.models.edge_vectors import (
+    EdgeGraph,
+    EdgeVectorModule,
+    edge_vector_outputs,
+)
 
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
@@ -55,14 +59,13 @@ SDFTD3_BOHR = 0.529177210903
 _KCN = 16.0
 
 
-class _ZeroDampedD3(torch.nn.Module):
+class _ZeroDampedD3(EdgeVectorModule):
     """Two-body D3 with zero damping on a batch (torch only; see the module)."""
 
     model_config: Any
 
     def __init__(self, params: dict[str, float], cutoff: float, smoothing: float):
         super().__init__()
-        base = import_quietly("nvalchemi.models.base")
         tables = _tables()
         for name, value in tables.items():
             self.register_buffer(name, value, persistent=False)
@@ -70,45 +73,7 @@ class _ZeroDampedD3(torch.nn.Module):
         self.cutoff = float(cutoff)
         self.smoothing_fraction = float(smoothing)
         self.supported_elements = ZERO_DAMPING_ELEMENTS
-        self.model_config = base.ModelConfig(
-            outputs=frozenset({"energy", "forces", "stress"}),
-            autograd_outputs=frozenset({"forces", "stress"}),
-            supports_pbc=True,
-            neighbor_config=base.NeighborConfig(
-                cutoff=self.cutoff, format=base.NeighborListFormat.COO
-            ),
-            active_outputs={"energy", "forces"},
-        )
-
-    # -- nvalchemi's abstract interface ------------------------------------------
-
-    @property
-    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Embeddings this model publishes: none.
-
-        Returns
-        -------
-        dict
-            Empty.
-        """
-        return {}
-
-    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
-        """Not available (D3 has no learned features).
-
-        Parameters
-        ----------
-        data : Batch
-            Ignored.
-        **kwargs
-            Ignored.
-
-        Raises
-        ------
-        NotImplementedError
-            Always.
-        """
-        raise NotImplementedError("D3 publishes no embeddings")
+        self.configure_edge_outputs(self.cutoff)
 
     def forward(self, data: Batch, **kwargs: Any) -> OrderedDict[str, Any]:
         """Energy, forces and (when active) stress of every structure in a batch.

@@ -19,7 +19,11 @@ import torch
 
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import MAX_ATOMIC_NUMBER as _MAX_ATOMIC_NUMBER
-from nvalchemi_ase.models.edge_vectors import EdgeGraph, edge_vector_outputs
+from nvalchemi_ase.models.edge_vectors import (
+    EdgeGraph,
+    EdgeVectorModule,
+    edge_vector_outputs,
+)
 from nvalchemi_ase.models.sevennet.speed import (
     CONVOLUTION_TILE_BYTES,
     merge_column_slices,
@@ -37,7 +41,7 @@ _REPLACED = frozenset({_ONE_HOT, "reduce_total_enegy", "force_output"})
 _ATOMIC_ENERGY_KEY = "atomic_energy"
 
 
-class _SevenNetModule(torch.nn.Module):
+class _SevenNetModule(EdgeVectorModule):
     """SevenNet's network evaluated on a whole nvalchemi ``Batch`` (torch only).
 
     :func:`wrapper_class` combines it with nvalchemi's ``BaseModelMixin``.
@@ -66,7 +70,6 @@ class _SevenNetModule(torch.nn.Module):
         self, network: Any, modal: str | None = None, label: str = "SevenNet-0"
     ) -> None:
         super().__init__()
-        base = import_quietly("nvalchemi.models.base")
         self.network = network
         self.label = label
         self.modal, self.modal_index = _modal_choice(network, modal, label)
@@ -91,45 +94,7 @@ class _SevenNetModule(torch.nn.Module):
         #: Atomic numbers the checkpoint was trained on (its config's type map;
         #: read by :func:`nvalchemi_ase.models.supported_elements`).
         self.supported_elements = frozenset(int(z) for z in network.type_map)
-        self.model_config = base.ModelConfig(
-            outputs=frozenset({"energy", "forces", "stress"}),
-            autograd_outputs=frozenset({"forces", "stress"}),
-            supports_pbc=True,
-            neighbor_config=base.NeighborConfig(
-                cutoff=self.cutoff, format=base.NeighborListFormat.COO
-            ),
-            active_outputs={"energy", "forces"},
-        )
-
-    # -- nvalchemi's abstract interface ------------------------------------------
-
-    @property
-    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Embeddings this wrapper publishes: none.
-
-        Returns
-        -------
-        dict
-            Empty.
-        """
-        return {}
-
-    def compute_embeddings(self, data: Any, **kwargs: Any) -> Any:
-        """Not available for SevenNet in this wrapper.
-
-        Parameters
-        ----------
-        data : Batch
-            Ignored.
-        **kwargs
-            Ignored.
-
-        Raises
-        ------
-        NotImplementedError
-            Always.
-        """
-        raise NotImplementedError("the SevenNet wrapper publishes no embeddings")
+        self.configure_edge_outputs(self.cutoff)
 
     # -- forward -----------------------------------------------------------------
 
