@@ -269,7 +269,7 @@ def layer_overhead(settings: Settings, report: Report) -> None:
         if status:
             batch["status"] = torch.zeros(batch_size, 1, dtype=torch.long)
         # the engine our FIRE drives: ASE's algorithm, batched (engines/fire.py)
-        engine = fire_engines.FIRE(
+        engine = fire_engines.ASEFIRE(
             model,
             dt=0.1,
             dtmax=1.0,

@@ -262,7 +262,7 @@ def test_engine_seed_is_the_seed_nvalchemi_saves_and_restores():
 
 
 def test_engines_whose_post_update_does_nothing_say_so():
-    from nvalchemi_ase.engines import BFGS, FIRE, MDMin, NVTBussi
+    from nvalchemi_ase.engines import ASEBFGS, ASEFIRE, ASEMDMin, NVTBussi
 
-    assert [e._post_update_is_noop for e in (FIRE, BFGS, MDMin)] == [True] * 3
+    assert [e._post_update_is_noop for e in (ASEFIRE, ASEBFGS, ASEMDMin)] == [True] * 3
     assert NVTBussi._post_update_is_noop is False  # its post_update works

@@ -162,7 +162,7 @@ def engine_on(images, engine, model):
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param("BFGS", marks=pytest.mark.slow), "MDMin"]
+    "name", [pytest.param("ASEBFGS", marks=pytest.mark.slow), "ASEMDMin"]
 )
 def test_graphs_past_exit_status_keep_state_and_positions(name, lj_calc64):
     engines = import_quietly("nvalchemi_ase.engines")
@@ -189,14 +189,14 @@ def test_graphs_past_exit_status_keep_state_and_positions(name, lj_calc64):
         for key, value in engine._state
         if not torch.equal(value[0], moving_state[key])
     ]
-    expected = {"BFGS": {"hessian", "previous_positions", "previous_gradient"}}
+    expected = {"ASEBFGS": {"hessian", "previous_positions", "previous_gradient"}}
     assert set(changed) == expected.get(name, set())
 
 
 def test_engine_refuses_a_different_batch(lj_calc64):
     engines = import_quietly("nvalchemi_ase.engines")
     model = lj_calc64.model
-    engine = engines.BFGS(model)
+    engine = engines.ASEBFGS(model)
     engine.step(engine_on(mixed_sizes(), engine, model))
     other = atoms_to_batch(mixed_sizes()[:2], device="cpu", dtype=torch.float64)
     with pytest.raises(RuntimeError, match="holds state for 3 graphs"):
@@ -207,7 +207,7 @@ def test_bfgs_state_widens_for_larger_admitted_structures(lj_calc64):
     """Refill (nvalchemi's inflight batching) may admit a larger structure."""
     engines = import_quietly("nvalchemi_ase.engines")
     model = lj_calc64.model
-    engine = engines.BFGS(model, alpha=70.0)
+    engine = engines.ASEBFGS(model, alpha=70.0)
     small, large = mixed_sizes()[:2]
     batch = engine_on([small], engine, model)
     engine.step(batch)

@@ -25,6 +25,7 @@ from nvalchemi_ase.dynamics.checkpoint import (
     DEFAULT_RESTART_INTERVAL,
     CheckpointError,
     read_checkpoint,
+    write_checkpoint,
 )
 from nvalchemi_ase.dynamics.failures import FailureLimits, StructureFailedWarning
 from nvalchemi_ase.md import (
@@ -497,6 +498,24 @@ def test_foreign_file_is_refused(content, tmp_path, lj_calc64):
             np.savez(stream, meta=np.array([{"format": "x"}], dtype=object))
         message = "cannot be read"
     _refused(lambda images: BFGS(images, restart=path), lj_calc64, message)
+
+
+@pytest.mark.parametrize("name", ["FIRE", "BFGS", "MDMin"])
+def test_checkpoint_with_the_engines_old_name_continues(name, tmp_path, lj_calc64):
+    """Checkpoints written before the engines took the ``ASE`` prefix still load."""
+    make, steps = CLASSES[name]
+    path = tmp_path / "restart.npz"
+    reference = make(lj_calc64)
+    _run(reference, 2 * steps)
+    first = make(lj_calc64, restart=path)
+    _run(first, steps)
+    checkpoint = read_checkpoint(path)
+    assert checkpoint.meta["engine"] == f"ASE{name}"
+    meta = {k: v for k, v in checkpoint.meta.items() if k not in ("format", "version")}
+    write_checkpoint(path, dict(meta, engine=name), dict(checkpoint.arrays))
+    second = make(lj_calc64, restart=path)
+    _run(second, steps)
+    _assert_same_state(reference, second)
 
 
 def test_newer_format_version_is_refused(tmp_path, lj_calc64):

@@ -46,7 +46,7 @@ from nvalchemi_ase.dynamics.checkpoint import (
     write_checkpoint,
 )
 from nvalchemi_ase.dynamics.constraints import BatchConstraints
-from nvalchemi_ase.dynamics.engine import freeze_hook
+from nvalchemi_ase.dynamics.driver import freeze_hook
 from nvalchemi_ase.dynamics.failures import (
     DynamicsFailureError,
     FailureGuard,

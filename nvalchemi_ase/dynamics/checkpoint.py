@@ -207,6 +207,11 @@ class Capturable(Protocol):
 # ----------------------------------------------------------------------------
 
 
+#: Engine names in checkpoints written before the rename (the ASE
+#: algorithms' engines were ``FIRE``/``BFGS``/``MDMin``, beside nvalchemi's FIRE).
+_LEGACY_ENGINE_NAMES = {"FIRE": "ASEFIRE", "BFGS": "ASEBFGS", "MDMin": "ASEMDMin"}
+
+
 def write_checkpoint(
     path: str | os.PathLike[str],
     meta: dict[str, Any],
@@ -388,7 +393,10 @@ def check_matches(owner: Described, checkpoint: Checkpoint) -> None:
     """
     path, meta = checkpoint.path, checkpoint.meta
     current = identity(owner)
-    for field in ("class", "engine", "n_structures", "n_atoms"):
+    saved_engine = _LEGACY_ENGINE_NAMES.get(meta.get("engine"), meta.get("engine"))
+    _same(path, "class", meta.get("class"), current["class"])
+    _same(path, "engine", saved_engine, current["engine"])
+    for field in ("n_structures", "n_atoms"):
         _same(path, field, meta.get(field), current[field])
     numbers = np.concatenate([atoms.numbers for atoms in owner.images])
     saved_numbers = checkpoint.arrays.get("structures/atomic_numbers")

@@ -37,7 +37,7 @@ from nvalchemi_ase.dynamics.checkpoint import (
     host_array,
     put_array,
 )
-from nvalchemi_ase.dynamics.engine import EngineDriver
+from nvalchemi_ase.dynamics.driver import EngineDriver
 from nvalchemi_ase.dynamics.failures import FailureGuard
 from nvalchemi_ase.dynamics.neighbors import (
     carry_neighbor_lists,

@@ -10,11 +10,11 @@ checks and ``status`` masking, and (through :mod:`nvalchemi_ase.md` and
 =======================  =========================  ==================================
 engine                   ASE algorithm              ASE-style class
 =======================  =========================  ==================================
-``FIRE``                 ``ase.optimize.FIRE``      ``nvalchemi_ase.optimize.FIRE``
+``ASEFIRE``              ``ase.optimize.FIRE``      ``nvalchemi_ase.optimize.FIRE``
 ``ABCFIRE2``             ``ase.optimize.FIRE2``     ``nvalchemi_ase.optimize.FIRE2``
                          (``use_abc=True``)         (``use_abc=True``)
-``BFGS``                 ``ase.optimize.BFGS``      ``nvalchemi_ase.optimize.BFGS``
-``MDMin``                ``ase.optimize.MDMin``     ``nvalchemi_ase.optimize.MDMin``
+``ASEBFGS``              ``ase.optimize.BFGS``      ``nvalchemi_ase.optimize.BFGS``
+``ASEMDMin``             ``ase.optimize.MDMin``     ``nvalchemi_ase.optimize.MDMin``
 ``NVTBussi``             ``ase.md.bussi.Bussi``     ``nvalchemi_ase.md.Bussi``
 ``NVTBerendsen``         ``ase.md.nvtberendsen``    ``nvalchemi_ase.md.NVTBerendsen``
 ``NVTAndersen``          ``ase.md.andersen``        ``nvalchemi_ase.md.Andersen``
@@ -22,6 +22,10 @@ engine                   ASE algorithm              ASE-style class
 ``ChainNPT``             ``ase.md.nose_hoover_      ``nvalchemi_ase.md.MTKNPT`` and
                          chain`` (MTK NPT)          ``IsotropicMTKNPT``
 =======================  =========================  ==================================
+
+The optimizer engines carry an ``ASE`` prefix: ``ASEFIRE`` is ASE's FIRE step
+for step, unlike nvalchemi's own ``FIRE`` engine, and neither is the ASE-style
+class ``nvalchemi_ase.optimize.FIRE`` that drives it.
 
 ``ChainNPT`` is nvalchemi's own ``NPT`` engine (its kernels and splitting)
 with a separate length for the barostat's Nosé-Hoover chain.
@@ -35,21 +39,21 @@ classes import it lazily through :func:`nvalchemi_ase._quiet.import_quietly`.
 
 from nvalchemi_ase.engines.andersen import NVTAndersen
 from nvalchemi_ase.engines.berendsen import NVTBerendsen
-from nvalchemi_ase.engines.bfgs import BFGS
+from nvalchemi_ase.engines.bfgs import ASEBFGS
 from nvalchemi_ase.engines.bussi import NVTBussi
-from nvalchemi_ase.engines.fire import FIRE
+from nvalchemi_ase.engines.fire import ASEFIRE
 from nvalchemi_ase.engines.fire2 import ABCFIRE2
 from nvalchemi_ase.engines.langevin_hoover import LangevinHooverBAOAB
-from nvalchemi_ase.engines.mdmin import MDMin
+from nvalchemi_ase.engines.mdmin import ASEMDMin
 from nvalchemi_ase.engines.mtk import ChainNPT
 
 __all__ = [
     "ABCFIRE2",
-    "BFGS",
-    "FIRE",
+    "ASEBFGS",
+    "ASEFIRE",
+    "ASEMDMin",
     "ChainNPT",
     "LangevinHooverBAOAB",
-    "MDMin",
     "NVTAndersen",
     "NVTBerendsen",
     "NVTBussi",

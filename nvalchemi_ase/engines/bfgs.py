@@ -46,7 +46,7 @@ from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["BFGS", "PaddedLayout"]
+__all__ = ["ASEBFGS", "PaddedLayout"]
 
 #: Displacement (Å) below which a step counts as "same configuration" and the
 #: Hessian is not updated (ASE's threshold).
@@ -89,7 +89,7 @@ class PaddedLayout:
 
 
 @post_update_is_noop
-class BFGS(PerGraphEngine):
+class ASEBFGS(PerGraphEngine):
     """Batched BFGS with one dense Hessian per structure (ASE's algorithm).
 
     Parameters
@@ -236,7 +236,7 @@ class BFGS(PerGraphEngine):
         state = self._state
         if state.num_graphs != batch.num_graphs:
             raise RuntimeError(
-                f"BFGS holds state for {state.num_graphs} graphs but the batch has "
+                f"ASEBFGS holds state for {state.num_graphs} graphs but the batch has "
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():

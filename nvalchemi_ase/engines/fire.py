@@ -52,7 +52,7 @@ from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["FIRE", "ResetCallback"]
+__all__ = ["ASEFIRE", "ResetCallback"]
 
 #: Called when structures went uphill (``downhill_check``), before they go
 #: back: ``(uphill [B] bool, previous_positions [V, 3] Å, energy [B] eV,
@@ -61,7 +61,7 @@ ResetCallback = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @post_update_is_noop
-class FIRE(PerGraphEngine):
+class ASEFIRE(PerGraphEngine):
     """Batched FIRE with ASE's arithmetic (``ase.optimize.FIRE``).
 
     Parameters
@@ -174,7 +174,7 @@ class FIRE(PerGraphEngine):
         state = self._state
         if state.num_graphs != batch.num_graphs:
             raise RuntimeError(
-                f"FIRE holds state for {state.num_graphs} graphs but the batch has "
+                f"ASEFIRE holds state for {state.num_graphs} graphs but the batch has "
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():

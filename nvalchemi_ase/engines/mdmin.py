@@ -37,14 +37,14 @@ from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["MDMin"]
+__all__ = ["ASEMDMin"]
 
 #: Added to the longest displacement before dividing (ASE's guard), Å.
 STEP_GUARD = 1e-6
 
 
 @post_update_is_noop
-class MDMin(PerGraphEngine):
+class ASEMDMin(PerGraphEngine):
     """Batched MDMin relaxation (ASE's algorithm).
 
     Parameters
@@ -117,7 +117,7 @@ class MDMin(PerGraphEngine):
         state = self._state
         if state.num_graphs != batch.num_graphs:
             raise RuntimeError(
-                f"MDMin holds state for {state.num_graphs} graphs but the batch has "
+                f"ASEMDMin holds state for {state.num_graphs} graphs but the batch has "
                 f"{batch.num_graphs}; build one engine per batch composition"
             )
         with torch.no_grad():

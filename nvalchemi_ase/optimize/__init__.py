@@ -3,11 +3,11 @@
 =============  ==================================  =================================
 class          nvalchemi engine                    with a cell filter
 =============  ==================================  =================================
-``FIRE``       ``nvalchemi_ase.engines.FIRE``      the same, on ASE's filter rows
+``FIRE``       ``nvalchemi_ase.engines.ASEFIRE``   the same, on ASE's filter rows
 ``FIRE2``      ``FIRE2``                           ``FIRE2VariableCell``
 ``LBFGS``      ``LBFGS``                           ``LBFGSVariableCell``
-``BFGS``       ``nvalchemi_ase.engines.BFGS``      the same, on ASE's filter rows
-``MDMin``      ``nvalchemi_ase.engines.MDMin``     the same, on ASE's filter rows
+``BFGS``       ``nvalchemi_ase.engines.ASEBFGS``   the same, on ASE's filter rows
+``MDMin``      ``nvalchemi_ase.engines.ASEMDMin``  the same, on ASE's filter rows
 =============  ==================================  =================================
 
 ``FIRE``, ``BFGS`` and ``MDMin`` run batched engines of this package (ASE's

@@ -1,4 +1,4 @@
-"""``BFGS`` with ASE's arguments, on the batched engine ``engines.BFGS``."""
+"""``BFGS`` with ASE's arguments, on the batched engine ``engines.ASEBFGS``."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ class BFGS(BatchedOptimizer):
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.bfgs")
-        return engines.BFGS(
+        return engines.ASEBFGS(
             self.model,
             maxstep=self.maxstep,
             alpha=self.alpha,

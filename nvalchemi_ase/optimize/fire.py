@@ -118,7 +118,7 @@ class FIRE(BatchedOptimizer):
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.fire")
-        engine = engines.FIRE(
+        engine = engines.ASEFIRE(
             self.model,
             dt=self.dt,
             maxstep=self.maxstep,

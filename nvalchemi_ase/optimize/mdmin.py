@@ -1,4 +1,4 @@
-"""``MDMin`` with ASE's arguments, on the batched engine ``engines.MDMin``."""
+"""``MDMin`` with ASE's arguments, on the batched engine ``engines.ASEMDMin``."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class MDMin(BatchedOptimizer):
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         engines = import_quietly("nvalchemi_ase.engines.mdmin")
-        return engines.MDMin(
+        return engines.ASEMDMin(
             self.model,
             dt=self.dt,
             maxstep=self.maxstep,
