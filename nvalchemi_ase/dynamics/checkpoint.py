@@ -393,7 +393,8 @@ def check_matches(owner: Described, checkpoint: Checkpoint) -> None:
     """
     path, meta = checkpoint.path, checkpoint.meta
     current = identity(owner)
-    saved_engine = _LEGACY_ENGINE_NAMES.get(meta.get("engine"), meta.get("engine"))
+    saved_engine = meta.get("engine")
+    saved_engine = _LEGACY_ENGINE_NAMES.get(str(saved_engine), saved_engine)
     _same(path, "class", meta.get("class"), current["class"])
     _same(path, "engine", saved_engine, current["engine"])
     for field in ("n_structures", "n_atoms"):

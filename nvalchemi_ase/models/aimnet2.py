@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models import registry
 from nvalchemi_ase.models.weights import find_weights
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ __all__ = [
     "AIMNet2Variant",
     "aimnet2_factory",
     "load_aimnet2",
+    "register_models",
 ]
 
 #: How to install the optional dependency.
@@ -408,3 +410,26 @@ def _quiet_aimnet() -> Iterator[None]:
             if handler not in handlers:
                 root.removeHandler(handler)
         root.setLevel(level)
+
+
+def register_models() -> None:
+    """Add every :data:`VARIANTS` name to the model registry."""
+    for variant in VARIANTS:
+        registry.register(
+            registry.ModelInfo(
+                name=variant.name,
+                factory=aimnet2_factory(variant),
+                summary=variant.summary
+                + " (short-range part: add long-range Coulomb and D3)",
+                elements=variant.elements,
+                cutoff="5 Å",
+                dtype="float32",
+                licence="MIT (aimnet)",
+                extra="aimnet",
+                weights=(
+                    f"{variant.files[0]} (members 0-3: {variant.files[0][:-4]}"
+                    f"[0-3].pt) from {variant.source(0).rsplit('/', 1)[0]}/"
+                ),
+                aliases=variant.aliases,
+            )
+        )

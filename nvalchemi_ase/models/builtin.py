@@ -8,11 +8,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models import registry
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["ARGON", "demo", "lennard_jones"]
+__all__ = [
+    "ARGON",
+    "demo",
+    "lennard_jones",
+    "register_models",
+]
 
 #: Lennard-Jones parameters of argon (eV, Å, Å): the defaults of ``"lj"``.
 ARGON = {"epsilon": 0.0104, "sigma": 3.40, "cutoff": 8.5}
@@ -111,3 +117,31 @@ def _integer(model: str, name: str, value: Any) -> int:
             f"({type(value).__name__})"
         )
     return int(value)
+
+
+def register_models() -> None:
+    """Add ``"lj"`` and ``"demo"`` to the model registry."""
+    registry.register(
+        registry.ModelInfo(
+            name="lj",
+            factory=lennard_jones,
+            summary="Lennard-Jones (nvalchemi's Warp kernel; argon by default)",
+            elements="any (one species)",
+            cutoff="8.5 Å (parameter)",
+            dtype="any",
+            licence="Apache-2.0 (nvalchemi)",
+        )
+    )
+    registry.register(
+        registry.ModelInfo(
+            name="demo",
+            factory=demo,
+            summary=(
+                "nvalchemi's demo model, random weights (a test model, not physics)"
+            ),
+            elements="1-99",
+            cutoff="none (no neighbour list, no PBC)",
+            dtype="float32",
+            licence="Apache-2.0 (nvalchemi)",
+        )
+    )

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models import registry
 from nvalchemi_ase.models.builtin import _real
 from nvalchemi_ase.models.weights import weights_dir
 
@@ -73,6 +74,7 @@ __all__ = [
     "d3_parameter_file",
     "d3_parameters",
     "d3_zero",
+    "register_models",
 ]
 
 #: Damping functions: rational / Becke-Johnson (nvalchemiops' kernel) and zero
@@ -418,3 +420,39 @@ def _write_atomically(path: Path, tables: dict[str, torch.Tensor]) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def register_models() -> None:
+    """Add ``"d3"`` and ``"d3-zero"`` to the model registry."""
+    registry.register(
+        registry.ModelInfo(
+            name="d3",
+            factory=d3,
+            summary=(
+                "DFT-D3(BJ) dispersion, two-body (nvalchemiops' kernel), by functional"
+            ),
+            elements="H-Ra, Th (89)",
+            cutoff="15 Å, smoothed from 12 Å (parameters)",
+            dtype="any (kernel float32)",
+            licence="Apache-2.0 (nvalchemi; tables: tad-dftd3)",
+            extra="d3",
+            weights="tables ship in the tad-dftd3 wheel",
+            aliases=("dftd3", "d3bj", "d3-bj"),
+        )
+    )
+    registry.register(
+        registry.ModelInfo(
+            name="d3-zero",
+            factory=d3_zero,
+            summary=(
+                "DFT-D3 with zero damping, two-body (edge-vector model), by functional"
+            ),
+            elements="H-Lr (103)",
+            cutoff="15 Å, smoothed from 12 Å (parameters)",
+            dtype="any (the batch's)",
+            licence="Apache-2.0 (tables: tad-dftd3, tad-mctc)",
+            extra="d3",
+            weights="tables ship in the tad-dftd3 and tad-mctc wheels",
+            aliases=("d3zero",),
+        )
+    )

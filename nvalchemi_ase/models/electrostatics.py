@@ -35,11 +35,17 @@ from typing import TYPE_CHECKING, Any
 from ase import units
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.models import registry
 
 if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
-__all__ = ["COULOMB_CONSTANT", "ewald", "pme"]
+__all__ = [
+    "COULOMB_CONSTANT",
+    "ewald",
+    "pme",
+    "register_models",
+]
 
 #: Coulomb's constant in ASE units, eV·Å/e² (= Hartree · Bohr).
 COULOMB_CONSTANT = units.Hartree * units.Bohr
@@ -192,3 +198,29 @@ def _accuracy(model: str, value: Any) -> float:
     if not value < 1:
         raise ValueError(f"{model}: accuracy must be below 1, got {value}")
     return value
+
+
+def register_models() -> None:
+    """Add ``"ewald"`` and ``"pme"`` to the model registry."""
+    registry.register(
+        registry.ModelInfo(
+            name="ewald",
+            factory=ewald,
+            summary="Ewald sum of fixed charges (initial_charges, e; periodic cells)",
+            elements="any",
+            cutoff="10 Å real space (parameter); reciprocal from accuracy",
+            dtype="any",
+            licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+        )
+    )
+    registry.register(
+        registry.ModelInfo(
+            name="pme",
+            factory=pme,
+            summary="particle-mesh Ewald of fixed charges (initial_charges, e)",
+            elements="any",
+            cutoff="10 Å real space (parameter); 1 Å mesh (parameter)",
+            dtype="any",
+            licence="Apache-2.0 (nvalchemi, nvalchemiops)",
+        )
+    )

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nvalchemi_ase.models import registry
 from nvalchemi_ase.models.sevennet.loading import (
     CHECKPOINTS,
     SEVENNET_0_CUTOFF,
@@ -58,6 +59,7 @@ __all__ = [
     "CONVOLUTION_TILE_BYTES",
     "SEVENNET_0_CUTOFF",
     "SEVENNET_EXTRA",
+    "register_models",
     "sevennet_0",
     "sevennet_0_22may2024",
     "sevennet_l3i5",
@@ -202,3 +204,76 @@ def __getattr__(name: str) -> Any:
 
         return wrapper_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+#: What every checkpoint of the ``sevenn`` wheel shares in the model registry.
+_SEVENNET_WHEEL = {
+    "elements": "89 (H-Pu)",
+    "cutoff": "5 Å",
+    "dtype": "float32",
+    "licence": "MIT (sevenn)",
+    "extra": "sevennet",
+    "weights": "ship in the sevenn wheel",
+}
+
+
+def register_models() -> None:
+    """Add SevenNet-0 and the ``sevenn`` wheel's other checkpoints to the registry."""
+    registry.register(
+        registry.ModelInfo(
+            name="sevennet-0",
+            factory=sevennet_0,
+            summary="SevenNet-0 (11 Jul 2024): universal potential, MPtrj (PBE/PBE+U)",
+            elements="89 (H-Pu)",
+            cutoff="5 Å",
+            dtype="float32",
+            licence="MIT (sevenn)",
+            extra="sevennet",
+            weights="ship in the sevenn wheel",
+            aliases=("7net-0",),
+        )
+    )
+    for name, factory, summary, aliases in (
+        (
+            "sevennet-0-22may2024",
+            sevennet_0_22may2024,
+            "SevenNet-0 (22 May 2024 release): MPtrj (PBE/PBE+U)",
+            ("7net-0_22may2024",),
+        ),
+        (
+            "sevennet-l3i5",
+            sevennet_l3i5,
+            "SevenNet-l3i5 (lmax 3, 5 layers): MPtrj (PBE/PBE+U)",
+            ("7net-l3i5",),
+        ),
+        (
+            "sevennet-mf-0",
+            sevennet_mf_0,
+            (
+                "SevenNet-MF-0, multi-fidelity: modal='pbe' "
+                "(MPtrj) or 'r2scan' (MP r2SCAN)"
+            ),
+            ("7net-mf-0",),
+        ),
+        (
+            "sevennet-mf-0-pbe",
+            sevennet_mf_0_pbe,
+            "SevenNet-MF-0 on its PBE/PBE+U fidelity (MPtrj)",
+            (),
+        ),
+        (
+            "sevennet-mf-0-r2scan",
+            sevennet_mf_0_r2scan,
+            "SevenNet-MF-0 on its r2SCAN fidelity (MP r2SCAN)",
+            (),
+        ),
+    ):
+        registry.register(
+            registry.ModelInfo(
+                name=name,
+                factory=factory,
+                summary=summary,
+                aliases=aliases,
+                **_SEVENNET_WHEEL,
+            )
+        )
