@@ -8,20 +8,21 @@ moves to MD as soon as its largest force drops to ``fmax``, and finishes after
 MD with the momenta its ``Atoms`` had when the composition was made (zero if
 none), not with the optimizer's fictitious velocities.
 
-This module sits above both halves of the ASE contract: it imports
-``nvalchemi_ase.md`` and ``nvalchemi_ase.optimize``, which never import each
-other (as in ASE). The one edge back is lazy and documented:
-``BatchedOptimizer.then`` imports this module when it is called.
-Both parts describe their engines through the engine protocol of
+This module sits below ``nvalchemi_ase.md`` and ``nvalchemi_ase.optimize``
+and imports neither: ``BatchedOptimizer.then`` imports it, and nothing leads
+back. The parts are read through two protocols, :class:`OptimizerPart` and
+:class:`MDPart`: the engine protocol of
 :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics` (``build_engine``,
-``engine_outputs``), which is all the composition uses.
+``engine_outputs``) and the few public attributes the composition reads; a
+class says which part it can play with its ``composition_role``
+(``"optimizer"`` or ``"md"``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,14 +32,59 @@ from nvalchemi_ase._compat import ensure_bookkeeping_fields, ensure_substage_sta
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.optimize.optimize import BatchedOptimizer
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
-__all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD", "check_parts"]
+__all__ = [
+    "FINISHED",
+    "RELAXING",
+    "RUNNING_MD",
+    "MDPart",
+    "OptimizerPart",
+    "RelaxThenMD",
+    "check_parts",
+]
 
 #: Stage codes of :attr:`RelaxThenMD.stage` (nvalchemi's ``status`` values).
 RELAXING, RUNNING_MD, FINISHED = 0, 1, 2
+
+
+class _Part(Protocol):
+    """What ``optimizer + md`` and ``optimizer | md`` read of either part."""
+
+    composition_role: ClassVar[str]
+    images: list[Any]
+    setup: Any
+    nsteps: int
+    neighbor_skin: float
+
+    @property
+    def model(self) -> Any:
+        """The nvalchemi model both parts share."""
+
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build a fresh nvalchemi engine with ``hooks`` (engine protocol)."""
+
+    def engine_outputs(self) -> set[str]:
+        """Model outputs every engine step needs (engine protocol)."""
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description of the part."""
+
+
+class OptimizerPart(_Part, Protocol):
+    """The relaxing part (``composition_role = "optimizer"``), fixed cell."""
+
+    cell_filter: Any
+
+
+class MDPart(_Part, Protocol):
+    """The MD part (``composition_role = "md"``); ``dt`` in ASE time units."""
+
+    dt: float
+
+    @property
+    def schedules(self) -> dict[str, Any]:
+        """Targets that follow a schedule, by name (refused here)."""
 
 
 class RelaxThenMD(BatchedDynamics):
@@ -46,10 +92,12 @@ class RelaxThenMD(BatchedDynamics):
 
     Parameters
     ----------
-    optimizer : BatchedOptimizer
-        Relaxes the structures (its parameters are used; it must not have run).
-    md : BatchedMolecularDynamics
-        Runs MD on the same ``Atoms`` objects (same model; must not have run).
+    optimizer : OptimizerPart
+        Relaxes the structures (its parameters are used; it must not have run):
+        one of this package's optimizers (``composition_role = "optimizer"``).
+    md : MDPart
+        Runs MD on the same ``Atoms`` objects (same model; must not have run):
+        one of this package's MD classes (``composition_role = "md"``).
     fmax : float
         Force threshold, eV/Å, at which a structure moves from relaxation to MD
         (nvalchemi's criterion: largest atomic force norm <= fmax).
@@ -74,8 +122,8 @@ class RelaxThenMD(BatchedDynamics):
 
     def __init__(
         self,
-        optimizer: BatchedOptimizer,
-        md: BatchedMolecularDynamics,
+        optimizer: OptimizerPart,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
@@ -91,7 +139,7 @@ class RelaxThenMD(BatchedDynamics):
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if md_steps is not None and md_steps < 1:
             raise ValueError(f"md_steps must be >= 1 or None, got {md_steps}")
-        if getattr(md, "schedules", None):
+        if md.schedules:
             raise ValueError(
                 f"{type(md).__name__} follows a schedule ({', '.join(md.schedules)}), "
                 "which counts the steps of the MD, but here each structure enters "
@@ -385,8 +433,9 @@ def check_parts(optimizer: Any, md: Any, *, operator: str = "+") -> None:
     ValueError
         If they run different ``Atoms`` or models, relax the cell, or have run.
     """
-    if not isinstance(optimizer, BatchedOptimizer) or not isinstance(
-        md, BatchedMolecularDynamics
+    if (
+        getattr(optimizer, "composition_role", None) != "optimizer"
+        or getattr(md, "composition_role", None) != "md"
     ):
         raise TypeError(
             f"relax {operator} md needs an nvalchemi_ase optimizer followed by an "

@@ -75,8 +75,9 @@ stress); with ``loginterval > 1`` the fused run's copies of a finished
 structure keep the stress of its last frame step, stale when its last MD step
 was not one, while the pipeline's carry the final state's.
 
-Like :mod:`nvalchemi_ase.compose`, this module sits above ``md`` and
-``optimize``; ``BatchedOptimizer.pipe`` (and ``|``) imports it when called.
+Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
+``optimize`` and reads its parts through ``compose``'s protocols;
+``BatchedOptimizer.pipe`` (and ``|``) imports it.
 """
 
 from __future__ import annotations
@@ -93,14 +94,19 @@ import torch
 
 from nvalchemi_ase._compat import pipeline_all_done, pipeline_start
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.compose import FINISHED, RELAXING, RUNNING_MD, check_parts
+from nvalchemi_ase.compose import (
+    FINISHED,
+    RELAXING,
+    RUNNING_MD,
+    MDPart,
+    OptimizerPart,
+    check_parts,
+)
 from nvalchemi_ase.convert import atoms_to_batch, update_atoms
+from nvalchemi_ase.devices import GROUP_TIMEOUT
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.optimize.optimize import BatchedOptimizer
-from nvalchemi_ase.runners.distributed import GROUP_TIMEOUT
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 from nvalchemi_ase.units import kinetic_temperature_K
 
@@ -123,9 +129,9 @@ class RelaxThenMDPipeline:
 
     Parameters
     ----------
-    optimizer : BatchedOptimizer
+    optimizer : OptimizerPart
         Relaxes the structures (its parameters are used; it must not have run).
-    md : BatchedMolecularDynamics
+    md : MDPart
         Runs MD on the same ``Atoms`` objects (same model; must not have run).
     fmax : float
         Force threshold, eV/Å, at which a structure is sent to MD (largest
@@ -170,8 +176,8 @@ class RelaxThenMDPipeline:
 
     def __init__(
         self,
-        optimizer: BatchedOptimizer,
-        md: BatchedMolecularDynamics,
+        optimizer: OptimizerPart,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
