@@ -275,7 +275,7 @@ class RelaxThenMD(BatchedDynamics):
         """
         if "status" not in self.batch:  # restoring, before the engine's columns
             return np.zeros(len(self.images), dtype=bool)
-        entered = self._entry_hook()._entered
+        entered = self._entry_hook().entered
         if entered is None:
             return np.zeros(len(self.images), dtype=bool)
         return entered.detach().cpu().numpy().astype(bool)
@@ -286,7 +286,7 @@ class RelaxThenMD(BatchedDynamics):
         """Return the base extras and the fused engine's (entry momenta, counters)."""
         extras = super()._checkpoint_extras()
         extras["fused/entry_velocities"] = _host(self._entry_velocities)
-        entered = self._entry_hook()._entered
+        entered = self._entry_hook().entered
         if entered is not None:
             extras["fused/entered"] = _host(entered)
         for code, sub_stage in self.engine.sub_stages:
@@ -344,7 +344,7 @@ class RelaxThenMD(BatchedDynamics):
                 state["random_seed"] = int(fused[f"{code}/random_seed"])
             sub_stage.load_state_dict(state)
         if "entered" in fused:
-            self._entry_hook()._entered = torch.as_tensor(
+            self._entry_hook().entered = torch.as_tensor(
                 fused["entered"], device=device
             )
 
@@ -405,18 +405,18 @@ class _EnterMDWithInitialMomenta:
     def __init__(self, initial_velocities: torch.Tensor, stage: Any) -> None:
         self.stage = stage
         self._initial = initial_velocities
-        self._entered: torch.Tensor | None = None
+        self.entered: torch.Tensor | None = None
 
     def __call__(self, ctx: Any, stage: Any) -> None:
         batch = ctx.batch
         in_md = batch["status"].reshape(-1) >= RUNNING_MD
-        if self._entered is None:
-            self._entered = torch.zeros_like(in_md)
-        entering = (in_md & ~self._entered)[batch.batch_idx.long()]
+        if self.entered is None:
+            self.entered = torch.zeros_like(in_md)
+        entering = (in_md & ~self.entered)[batch.batch_idx.long()]
         with torch.no_grad():
             velocities = batch.velocities
             velocities.copy_(torch.where(entering[:, None], self._initial, velocities))
-        self._entered = self._entered | in_md
+        self.entered = self.entered | in_md
 
 
 def _host(value: torch.Tensor) -> npt.NDArray[Any]:

@@ -388,3 +388,71 @@ def test_code_is_ruff_clean():
         check=False,
     )
     assert formatted.returncode == 0, formatted.stdout[-3000:]
+
+
+# Drivers that use the run core and the dynamics classes only through their
+# public members (and the engine protocol).
+THIN_CLIENTS = ("runners", "compose.py", "pipeline.py")
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """``x._name`` (and ``getattr(x, "_name")``) on anything but ``self``/``cls``.
+
+    ``super()._name`` is the object itself too; dunders are not private.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            name, owner = node.attr, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and _called_name(node.func) in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            name, owner = node.args[1].value, node.args[0]
+        else:
+            continue
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and _called_name(owner.func) == "super":
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_thin_clients_reach_into_no_private_member():
+    """Runners, ``optimizer + md`` and ``optimizer | md`` use public members only.
+
+    They drive ``BatchRun``, ``BatchedDynamics`` and ``BatchedOptimizer``
+    through their public methods; nvalchemi's private members go through
+    ``_compat`` functions.
+    """
+    paths = [PACKAGE / entry for entry in THIN_CLIENTS if entry.endswith(".py")]
+    paths += [
+        path
+        for entry in THIN_CLIENTS
+        if not entry.endswith(".py")
+        for path in sorted((PACKAGE / entry).rglob("*.py"))
+    ]
+    assert len(paths) > len(THIN_CLIENTS)
+    found = [reach for path in paths for reach in _private_reaches(path)]
+    assert found == []
+
+
+def test_the_private_scan_sees_every_form(tmp_path):
+    source = tmp_path / "client.py"
+    source.write_text(
+        "def drive(run, self):\n"
+        "    run._engine.step()\n"
+        "    getattr(run, '_state')\n"
+        "    self._mine, super()._hook(), run.__class__, run.public\n"
+    )
+    found = _private_reaches(source)
+    assert sorted(line.split(": ", 1)[1] for line in found) == [
+        "getattr(run, '_state')",
+        "run._engine",
+    ]
