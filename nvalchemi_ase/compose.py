@@ -70,11 +70,49 @@ class _Part(Protocol):
     def todict(self) -> dict[str, Any]:
         """ASE's description of the part."""
 
+    # what optimizer | md drives on each rank (BatchedDynamics' public API)
+    trajectories: Any
+
+    @property
+    def failures(self) -> list[Any]:
+        """Structures that failed: ``StructureFailure`` (index, step, reason)."""
+
+    @property
+    def failed_mask(self) -> npt.NDArray[np.bool_]:
+        """Which structures failed, shape (B,)."""
+
+    def attach(self, function: Any, interval: int = 1) -> None:
+        """Attach an ASE observer."""
+
+    def sync_structures(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
+        """Write the ``selected`` structures' state into their ``Atoms``."""
+
+    def per_structure_thermo(self) -> dict[str, npt.NDArray[np.float64]]:
+        """Energies, atom counts and temperatures per structure."""
+
+    def resizable(self) -> bool:
+        """Whether ``resize`` can change the structures in place."""
+
 
 class OptimizerPart(_Part, Protocol):
     """The relaxing part (``composition_role = "optimizer"``), fixed cell."""
 
     cell_filter: Any
+
+    @property
+    def converged_at_step(self) -> npt.NDArray[np.int64]:
+        """Step at which each structure converged, -1 if not, shape (B,)."""
+
+    @property
+    def fmax_per_structure(self) -> npt.NDArray[np.float64]:
+        """Latest largest force per structure, eV/Å, shape (B,)."""
+
+    def irun(
+        self, fmax: float = 0.05, steps: int = 1, *, sync_atoms: bool = True
+    ) -> Iterator[bool]:
+        """Relax as a generator (ASE's ``Optimizer.irun``)."""
 
 
 class MDPart(_Part, Protocol):
@@ -85,6 +123,14 @@ class MDPart(_Part, Protocol):
     @property
     def schedules(self) -> dict[str, Any]:
         """Targets that follow a schedule, by name (refused here)."""
+
+    def irun(self, steps: int = 50, *, sync_atoms: bool = True) -> Iterator[bool]:
+        """Run MD as a generator (ASE's ``MolecularDynamics.irun``)."""
+
+    def resize(
+        self, keep: Any, images: list[Any], *, trajectories: list[Any] | None = None
+    ) -> None:
+        """Keep the structures ``keep`` and append ``images``, in place."""
 
 
 class RelaxThenMD(BatchedDynamics):
