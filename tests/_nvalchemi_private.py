@@ -201,8 +201,7 @@ def _attribute_name_constants(tree: ast.Module) -> set[str]:
             and isinstance(node.value.value, str)
             and node.value.value.isidentifier()
             and any(
-                isinstance(t, ast.Name) and t.id.endswith("_ATTR")
-                for t in node.targets
+                isinstance(t, ast.Name) and t.id.endswith("_ATTR") for t in node.targets
             )
         ):
             names.add(node.value.value)
