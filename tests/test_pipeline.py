@@ -251,3 +251,15 @@ def test_the_pipeline_checks_its_files(lj_calc64, tmp_path):
             optimize.FIRE2(one, logfile=None).pipe(
                 md.VelocityVerlet(one, TIMESTEP), trajectory=[opened]
             )
+
+
+def test_the_pipeline_needs_an_md_batch_that_resizes_in_place(lj_calc64, tmp_path):
+    structures, relax, _ = _parts(lj_calc64)
+    thermostat = md.Langevin(structures, TIMESTEP, temperature_K=30.0, friction=0.01)
+    with pytest.raises(ValueError, match="Langevin cannot resize in place"):
+        relax | thermostat
+    with_file = md.VelocityVerlet(
+        structures, TIMESTEP, trajectory=str(tmp_path / "own_{i}.traj")
+    )
+    with pytest.raises(ValueError, match="trajectory= of the pipeline"):
+        relax | with_file
