@@ -293,8 +293,9 @@ class BatchedOptimizer(BatchedDynamics):
 
         Parameters
         ----------
-        md : BatchedMolecularDynamics
-            MD over the same ``Atoms`` objects and model.
+        md : MDPart
+            MD over the same ``Atoms`` objects and model (this package's MD
+            classes, ``nvalchemi_ase.compose.MDPart``).
         fmax : float
             Hand-over threshold on the largest force, eV/Å.
         md_steps : int, optional
@@ -341,8 +342,9 @@ class BatchedOptimizer(BatchedDynamics):
 
         Parameters
         ----------
-        md : BatchedMolecularDynamics
-            MD over the same ``Atoms`` objects and model.
+        md : MDPart
+            MD over the same ``Atoms`` objects and model (this package's MD
+            classes, ``nvalchemi_ase.compose.MDPart``).
         fmax : float
             Hand-over threshold on the largest force, eV/Å.
         md_steps : int, optional
@@ -355,8 +357,9 @@ class BatchedOptimizer(BatchedDynamics):
         Returns
         -------
         RelaxThenMDPipeline
-            nvalchemi's ``DistributedPipeline`` behind an ASE-style ``run()``;
-            ``optimizer | md`` is ``optimizer.pipe(md)``.
+            This optimizer on rank 0 feeding ``md`` (one batch resized in
+            place) on rank 1, behind an ASE-style ``run()``; ``optimizer | md``
+            is ``optimizer.pipe(md)``.
         """
         return RelaxThenMDPipeline(
             self,
