@@ -13,7 +13,8 @@ Subclass hooks that nvalchemi documents for writing a ``BaseDynamics``
 ``_sync_state_to_batch``, ``self._state``) are used by ``nvalchemi_ase.engines``
 as prescribed, on ``self`` only; they are listed here too so the same test
 watches them. ``tests/test_compat.py`` also scans the package's attribute
-names (``obj._x``, ``getattr(obj, "_x")``, class bodies) against nvalchemi's
+names (``obj._x``, ``getattr(obj, "_x")``, ``obj.__dict__.get("_x")``,
+class bodies) against nvalchemi's
 installed source: a private nvalchemi member used anywhere else than here, or
 used here without a line in :data:`PRIVATE_MEMBERS` /
 :data:`PRIVATE_ATTRIBUTES`, fails it.
@@ -57,12 +58,10 @@ __all__ = [
     "npt_pressure_tensor",
     "npt_volumes",
     "open_hooks",
-    "pipeline_all_done",
     "pipeline_batch_sources",
     "pipeline_hook_inner",
     "pipeline_policy",
     "pipeline_sources",
-    "pipeline_start",
     "post_update_is_noop",
     "prime_engine",
     "seed_neighbor_hook",
@@ -269,21 +268,6 @@ PRIVATE_MEMBERS: tuple[PrivateMember, ...] = (
         "put a restored neighbour list back into the batch (exact restart), "
         "and one whose finished structures' rows were emptied (runners)",
     ),
-    PrivateMember(
-        "nvalchemi.dynamics.base",
-        "DistributedPipeline",
-        "_share_templates",
-        (),
-        "give every stage its receive template, as run() does, before stepping",
-    ),
-    PrivateMember(
-        "nvalchemi.dynamics.base",
-        "DistributedPipeline",
-        "_sync_done_flags",
-        (),
-        "run()'s per-iteration all-reduce of the stages' done flags, so a "
-        "pipeline can stop at a step limit (run() has none)",
-    ),
 )
 
 # Attributes (not callables) read or written; checked on live objects.
@@ -295,7 +279,10 @@ PRIVATE_ATTRIBUTES = {
         "_random_seed",  # read by state_dict() and load_state_dict()
         "_post_update_is_noop",  # a class attribute subclasses may set
     ),
-    "Batch": ("_neighbor_list_cutoff",),  # set by the neighbour-list writer
+    "Batch": (
+        "_neighbor_list_cutoff",  # set by the neighbour-list writer
+        "_pipeline_neighbor_sources",  # set by a composed model's pipeline hook
+    ),
     "NeighborListHook": (
         "_ref_positions",
         "_alloc_N",
@@ -377,17 +364,6 @@ def ensure_substage_states(engine: Any, batch: Batch) -> None:
     """
     for _, sub_stage in engine.sub_stages:
         sub_stage._ensure_state_initialized(batch)
-
-
-def pipeline_start(pipeline: Any) -> None:
-    """Wire a ``DistributedPipeline``'s stages and templates, as its ``run()`` does."""
-    pipeline.setup()
-    pipeline._share_templates()
-
-
-def pipeline_all_done(pipeline: Any) -> bool:
-    """All-reduce the stages' done flags (collective); True when every one is done."""
-    return bool(pipeline._sync_done_flags())
 
 
 def pipeline_sources(model: Any) -> list[Any]:

@@ -8,20 +8,21 @@ moves to MD as soon as its largest force drops to ``fmax``, and finishes after
 MD with the momenta its ``Atoms`` had when the composition was made (zero if
 none), not with the optimizer's fictitious velocities.
 
-This module sits above both halves of the ASE contract: it imports
-``nvalchemi_ase.md`` and ``nvalchemi_ase.optimize``, which never import each
-other (as in ASE). The one edge back is lazy and documented:
-``BatchedOptimizer.then`` imports this module when it is called.
-Both parts describe their engines through the engine protocol of
+This module sits below ``nvalchemi_ase.md`` and ``nvalchemi_ase.optimize``
+and imports neither: ``BatchedOptimizer.then`` imports it, and nothing leads
+back. The parts are read through two protocols, :class:`OptimizerPart` and
+:class:`MDPart`: the engine protocol of
 :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics` (``build_engine``,
-``engine_outputs``), which is all the composition uses.
+``engine_outputs``) and the few public attributes the composition reads; a
+class says which part it can play with its ``composition_role``
+(``"optimizer"`` or ``"md"``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -31,14 +32,105 @@ from nvalchemi_ase._compat import ensure_bookkeeping_fields, ensure_substage_sta
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.logs import internal, open_log
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.optimize.optimize import BatchedOptimizer
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
-__all__ = ["FINISHED", "RELAXING", "RUNNING_MD", "RelaxThenMD", "check_parts"]
+__all__ = [
+    "FINISHED",
+    "RELAXING",
+    "RUNNING_MD",
+    "MDPart",
+    "OptimizerPart",
+    "RelaxThenMD",
+    "check_parts",
+]
 
 #: Stage codes of :attr:`RelaxThenMD.stage` (nvalchemi's ``status`` values).
 RELAXING, RUNNING_MD, FINISHED = 0, 1, 2
+
+
+class _Part(Protocol):
+    """What ``optimizer + md`` and ``optimizer | md`` read of either part."""
+
+    composition_role: ClassVar[str]
+    images: list[Any]
+    setup: Any
+    nsteps: int
+    neighbor_skin: float
+
+    @property
+    def model(self) -> Any:
+        """The nvalchemi model both parts share."""
+
+    def build_engine(self, hooks: list[Any]) -> Any:
+        """Build a fresh nvalchemi engine with ``hooks`` (engine protocol)."""
+
+    def engine_outputs(self) -> set[str]:
+        """Model outputs every engine step needs (engine protocol)."""
+
+    def todict(self) -> dict[str, Any]:
+        """ASE's description of the part."""
+
+    # what optimizer | md drives on each rank (BatchedDynamics' public API)
+    trajectories: Any
+
+    @property
+    def failures(self) -> list[Any]:
+        """Structures that failed: ``StructureFailure`` (index, step, reason)."""
+
+    @property
+    def failed_mask(self) -> npt.NDArray[np.bool_]:
+        """Which structures failed, shape (B,)."""
+
+    def attach(self, function: Any, interval: int = 1) -> None:
+        """Attach an ASE observer."""
+
+    def sync_structures(
+        self, selected: npt.NDArray[np.bool_], *, results: bool = True
+    ) -> None:
+        """Write the ``selected`` structures' state into their ``Atoms``."""
+
+    def per_structure_thermo(self) -> dict[str, npt.NDArray[np.float64]]:
+        """Energies, atom counts and temperatures per structure."""
+
+    def resizable(self) -> bool:
+        """Whether ``resize`` can change the structures in place."""
+
+
+class OptimizerPart(_Part, Protocol):
+    """The relaxing part (``composition_role = "optimizer"``), fixed cell."""
+
+    cell_filter: Any
+
+    @property
+    def converged_at_step(self) -> npt.NDArray[np.int64]:
+        """Step at which each structure converged, -1 if not, shape (B,)."""
+
+    @property
+    def fmax_per_structure(self) -> npt.NDArray[np.float64]:
+        """Latest largest force per structure, eV/Å, shape (B,)."""
+
+    def irun(
+        self, fmax: float = 0.05, steps: int = 1, *, sync_atoms: bool = True
+    ) -> Iterator[bool]:
+        """Relax as a generator (ASE's ``Optimizer.irun``)."""
+
+
+class MDPart(_Part, Protocol):
+    """The MD part (``composition_role = "md"``); ``dt`` in ASE time units."""
+
+    dt: float
+
+    @property
+    def schedules(self) -> dict[str, Any]:
+        """Targets that follow a schedule, by name (refused here)."""
+
+    def irun(self, steps: int = 50, *, sync_atoms: bool = True) -> Iterator[bool]:
+        """Run MD as a generator (ASE's ``MolecularDynamics.irun``)."""
+
+    def resize(
+        self, keep: Any, images: list[Any], *, trajectories: list[Any] | None = None
+    ) -> None:
+        """Keep the structures ``keep`` and append ``images``, in place."""
 
 
 class RelaxThenMD(BatchedDynamics):
@@ -46,10 +138,12 @@ class RelaxThenMD(BatchedDynamics):
 
     Parameters
     ----------
-    optimizer : BatchedOptimizer
-        Relaxes the structures (its parameters are used; it must not have run).
-    md : BatchedMolecularDynamics
-        Runs MD on the same ``Atoms`` objects (same model; must not have run).
+    optimizer : OptimizerPart
+        Relaxes the structures (its parameters are used; it must not have run):
+        one of this package's optimizers (``composition_role = "optimizer"``).
+    md : MDPart
+        Runs MD on the same ``Atoms`` objects (same model; must not have run):
+        one of this package's MD classes (``composition_role = "md"``).
     fmax : float
         Force threshold, eV/Å, at which a structure moves from relaxation to MD
         (nvalchemi's criterion: largest atomic force norm <= fmax).
@@ -74,8 +168,8 @@ class RelaxThenMD(BatchedDynamics):
 
     def __init__(
         self,
-        optimizer: BatchedOptimizer,
-        md: BatchedMolecularDynamics,
+        optimizer: OptimizerPart,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
@@ -91,7 +185,7 @@ class RelaxThenMD(BatchedDynamics):
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if md_steps is not None and md_steps < 1:
             raise ValueError(f"md_steps must be >= 1 or None, got {md_steps}")
-        if getattr(md, "schedules", None):
+        if md.schedules:
             raise ValueError(
                 f"{type(md).__name__} follows a schedule ({', '.join(md.schedules)}), "
                 "which counts the steps of the MD, but here each structure enters "
@@ -227,7 +321,7 @@ class RelaxThenMD(BatchedDynamics):
         """
         if "status" not in self.batch:  # restoring, before the engine's columns
             return np.zeros(len(self.images), dtype=bool)
-        entered = self._entry_hook()._entered
+        entered = self._entry_hook().entered
         if entered is None:
             return np.zeros(len(self.images), dtype=bool)
         return entered.detach().cpu().numpy().astype(bool)
@@ -238,7 +332,7 @@ class RelaxThenMD(BatchedDynamics):
         """Return the base extras and the fused engine's (entry momenta, counters)."""
         extras = super()._checkpoint_extras()
         extras["fused/entry_velocities"] = _host(self._entry_velocities)
-        entered = self._entry_hook()._entered
+        entered = self._entry_hook().entered
         if entered is not None:
             extras["fused/entered"] = _host(entered)
         for code, sub_stage in self.engine.sub_stages:
@@ -296,7 +390,7 @@ class RelaxThenMD(BatchedDynamics):
                 state["random_seed"] = int(fused[f"{code}/random_seed"])
             sub_stage.load_state_dict(state)
         if "entered" in fused:
-            self._entry_hook()._entered = torch.as_tensor(
+            self._entry_hook().entered = torch.as_tensor(
                 fused["entered"], device=device
             )
 
@@ -357,18 +451,18 @@ class _EnterMDWithInitialMomenta:
     def __init__(self, initial_velocities: torch.Tensor, stage: Any) -> None:
         self.stage = stage
         self._initial = initial_velocities
-        self._entered: torch.Tensor | None = None
+        self.entered: torch.Tensor | None = None
 
     def __call__(self, ctx: Any, stage: Any) -> None:
         batch = ctx.batch
         in_md = batch["status"].reshape(-1) >= RUNNING_MD
-        if self._entered is None:
-            self._entered = torch.zeros_like(in_md)
-        entering = (in_md & ~self._entered)[batch.batch_idx.long()]
+        if self.entered is None:
+            self.entered = torch.zeros_like(in_md)
+        entering = (in_md & ~self.entered)[batch.batch_idx.long()]
         with torch.no_grad():
             velocities = batch.velocities
             velocities.copy_(torch.where(entering[:, None], self._initial, velocities))
-        self._entered = self._entered | in_md
+        self.entered = self.entered | in_md
 
 
 def _host(value: torch.Tensor) -> npt.NDArray[Any]:
@@ -385,8 +479,9 @@ def check_parts(optimizer: Any, md: Any, *, operator: str = "+") -> None:
     ValueError
         If they run different ``Atoms`` or models, relax the cell, or have run.
     """
-    if not isinstance(optimizer, BatchedOptimizer) or not isinstance(
-        md, BatchedMolecularDynamics
+    if (
+        getattr(optimizer, "composition_role", None) != "optimizer"
+        or getattr(md, "composition_role", None) != "md"
     ):
         raise TypeError(
             f"relax {operator} md needs an nvalchemi_ase optimizer followed by an "

@@ -1,14 +1,27 @@
 """Device and floating-point precision choices, resolved in one place.
 
 ``device=None`` everywhere in :mod:`nvalchemi_ase` means "CUDA when available,
-else CPU"; ``dtype`` accepts a ``torch.dtype`` or its name.
+else CPU"; ``dtype`` accepts a ``torch.dtype`` or its name. Also the timeout of
+the process groups the package starts itself (:data:`GROUP_TIMEOUT`).
 """
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 
-__all__ = ["DtypeLike", "host_reads_are_free", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "GROUP_TIMEOUT",
+    "DtypeLike",
+    "host_reads_are_free",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+#: Timeout of a process group the package starts itself (runners, ``optimizer |
+#: md``): the end-of-run barrier waits for the slowest rank.
+GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 DtypeLike = torch.dtype | str | None
 

@@ -2,81 +2,64 @@
 
 ``FIRE(images) | VelocityVerlet(images, ...)`` (or ``optimizer.pipe(md, fmax=...,
 md_steps=...)``) is the two-rank form of ``optimizer + md``
-(:mod:`nvalchemi_ase.compose`), on nvalchemi's ``DistributedPipeline``: rank 0
-relaxes, rank 1 runs MD. Each structure is sent to rank 1 as soon as its largest
-force drops to ``fmax``, enters MD with the momenta its ``Atoms`` had when
-``run()`` started (zero if none), and finishes after ``md_steps`` MD steps,
-while rank 0 goes on relaxing the others. The script is started with two ranks
-(``python -m torch.distributed.run --nproc_per_node=2 script.py``); every rank
-builds the same ``Atoms`` and ASE objects, and after ``run()`` every rank's
-``Atoms`` hold the final state (positions, momenta of the structures that
-reached MD, energy and forces), as after the single-process fused run.
+(:mod:`nvalchemi_ase.compose`): rank 0 relaxes, rank 1 runs MD. Each structure
+is sent to rank 1 as soon as its largest force drops below ``fmax``, enters MD
+with the momenta its ``Atoms`` had when ``run()`` started (zero if none), and
+finishes after ``md_steps`` MD steps, while rank 0 goes on relaxing the others.
+The script is started with two ranks (``python -m torch.distributed.run
+--nproc_per_node=2 script.py``); every rank builds the same ``Atoms`` and ASE
+objects, and after ``run()`` every rank's ``Atoms`` hold the final state
+(positions, momenta of the structures that reached MD, energy and forces), as
+after the single-process fused run.
 
-How nvalchemi 0.3's pipeline is used (each point found by running it):
+Each rank drives one of the two ASE-facing objects it was given, through their
+public API only: rank 0 the optimizer (``irun(fmax=...)``, its
+``converged_at_step``), rank 1 the MD object, whose one batch admits the
+structures that arrive and retires those that finished
+(:meth:`~nvalchemi_ase.dynamics.base.BatchedDynamics.resize`, in place: engine
+state, neighbour lists and failure flags of the others carried; the resized
+batch is evaluated once). So both stages have what the single-process classes
+have: failure isolation (a structure that fails on either rank stops, is
+reported in :attr:`RelaxThenMDPipeline.failures` by input index, step and
+reason, and the others go on), their observers and stress on the steps where a
+frame is written. The MD class must resize in place (``md.resizable()``:
+``VelocityVerlet``; the thermostats' per-structure parameters are sized at
+construction).
 
-* every stage needs ``buffer_config``; it is sized for the whole input
-  (``BufferConfig(num_systems=B, num_nodes=V, num_edges=0)``), so one message
-  can carry every structure and no structure waits for room; edges are not
-  sent (each rank's neighbour hook rebuilds them);
-* the first stage draws the structures from a ``SizeAwareSampler`` (its
-  in-flight mode is what ends it once every structure has been sent);
-* the MD stage is a one-sub-stage ``FusedStage``, because a plain pipeline
-  stage graduates structures only through a convergence test, never after a
-  number of steps;
-* arrivals are re-evaluated on the MD rank (``reprime_on_entry``): nvalchemi
-  0.3 would reuse the forces they carry, but every arrival after the first
-  comes through the receive buffer with its forces zeroed;
-* the MD stage has no ``sinks``: nvalchemi 0.3 drains a stage's sinks back into
-  its active batch whenever the batch has room
-  (``_CommunicationMixin._complete_pending_recv`` then ``_drain_sinks_to_batch``),
-  so finished structures would be integrated again and the run never ends;
-  finished structures are taken at ``ON_GRADUATE`` instead.
-
-The results are exchanged once, at the end, on a gloo group of the pipeline's
-own (pickled one-structure batches). The stages run with nvalchemi's own
-hooks plus the neighbour list and this module's; the ASE layer's per-step
-machinery (failure isolation, observers, checkpoints) is not available here,
-so constraints are refused.
+The ranks step in lockstep: after each step both exchange what changed (the
+structures rank 0 hands over, with their positions; those that finished or
+failed) in one gloo collective, so a structure that converged at relaxation
+step ``k`` takes its first MD step at step ``k + 1``, as in the fused run;
+every rank keeps the same :attr:`~RelaxThenMDPipeline.stage`,
+:attr:`~RelaxThenMDPipeline.relax_steps` and failures. The final states are
+exchanged once, at the end.
 
 Trajectories and logs (``trajectory=``, ``logfile=``, ``loginterval=``, as for
 ``optimizer + md``): each structure's file ends up with the frames the fused
 run writes for it: frame 0, its relaxation steps and then its MD steps whose
-fused step (relaxation steps, plus MD steps once in MD) is a multiple of
-``loginterval``, and, when every structure finished, copies of its final state
-up to the fused run's last step (the fused run goes on writing finished
-structures until the last one finishes). Hooks at ``BEFORE_STEP`` count each
-structure's steps on its rank (arrivals waiting to be re-evaluated are not
-counted) and write frame 0; hooks at ``AFTER_STEP`` copy the rows due to the
-host in one transfer and write them, as they are computed, into hidden files
-beside the target (``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank
-1; each rank removes its own when the run starts, e.g. those a failed run left
-behind). At the end (after the results exchange, which is the barrier) rank 0
-joins each structure's relaxation and MD frames, pads it, moves it into place
-(``os.replace``) and removes the hidden files; both ranks return once the files
-are whole. While trajectories are written the model is asked for stress on
-every step (the fused run asks on frame steps only), so frames of periodic
-structures carry it. The logs are per rank, not merged: rank 0 writes its
+step is a multiple of ``loginterval``, and, when every structure finished,
+copies of its final state up to the fused run's last step (with the stress of
+its last frame, as the fused run's copies). Each rank writes its frames with
+the package's own per-structure writer (``TrajectorySet``), from an observer
+of the object it drives, into hidden files beside the target
+(``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank 1; a failed run's are
+replaced); at the end rank 0 joins each structure's two parts, pads it, moves
+it into place (``os.replace``) and removes the hidden files; both ranks return
+once the files are whole. The logs are per rank, not merged: rank 0 writes its
 relaxation lines to ``logfile``, rank 1 its MD lines to ``STEM.rank1SUFFIX``
-(``md.log`` -> ``md.rank1.log``), one line per ``loginterval`` pipeline
-iterations (none for iteration 0; ``nan`` energies while a rank holds no
-structure). A run stopped by ``steps`` before every structure finished, or
-run with ``md_steps=None``, still joins what was written, unpadded.
+(``md.log`` -> ``md.rank1.log``), one line per ``loginterval`` steps (none for
+step 0; ``nan`` energies while a rank holds no structure). A run stopped by
+``steps`` before every structure finished, or run with ``md_steps=None``,
+still joins what was written, unpadded.
 
 Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet,
 ``tests/test_pipeline.py``): every structure is handed to MD after the same
 number of optimizer steps and ends where the fused run ends, to round-off, on
-both ranks. Rank 0 relaxes its batch in the sampler's order (size bins, round
-robin), not the input order; nvalchemi's FIRE2 step is not bit-independent of
-a structure's place in the batch, and FIRE's discrete decisions can amplify
-that round-off (~2e-4 Å after 26 steps in the test), exactly as the fused run
-of the batch in that order does. The trajectories agree frame by frame in the
-same way (positions, momenta, energies, forces and, with ``loginterval=1``,
-stress); with ``loginterval > 1`` the fused run's copies of a finished
-structure keep the stress of its last frame step, stale when its last MD step
-was not one, while the pipeline's carry the final state's.
+both ranks, and the trajectories agree frame by frame.
 
-Like :mod:`nvalchemi_ase.compose`, this module sits above ``md`` and
-``optimize``; ``BatchedOptimizer.pipe`` (and ``|``) imports it when called.
+Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
+``optimize`` and reads its parts through ``compose``'s protocols;
+``BatchedOptimizer.pipe`` (and ``|``) imports it.
 """
 
 from __future__ import annotations
@@ -91,31 +74,27 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from nvalchemi_ase._compat import pipeline_all_done, pipeline_start
-from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.compose import FINISHED, RELAXING, RUNNING_MD, check_parts
-from nvalchemi_ase.convert import atoms_to_batch, update_atoms
+from nvalchemi_ase.compose import (
+    FINISHED,
+    RELAXING,
+    RUNNING_MD,
+    MDPart,
+    OptimizerPart,
+    check_parts,
+)
+from nvalchemi_ase.devices import GROUP_TIMEOUT
+from nvalchemi_ase.dynamics.failures import StructureFailure
 from nvalchemi_ase.dynamics.logs import open_log
-from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
-from nvalchemi_ase.md.md import BatchedMolecularDynamics
-from nvalchemi_ase.optimize.optimize import BatchedOptimizer
-from nvalchemi_ase.runners.distributed import GROUP_TIMEOUT
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
-from nvalchemi_ase.units import kinetic_temperature_K
 
 __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
 
 #: The ranks of the two stages.
 RELAX_RANK, MD_RANK = 0, 1
 
-# Per-structure fields the pipeline adds to each structure's data.
-_INDEX, _RELAX_STEPS, _IN_MD, _MD_STEPS = (
-    "pipeline_index",
-    "pipeline_relax_steps",
-    "pipeline_in_md",
-    "pipeline_md_steps",
-)
+#: Step limit handed to the parts' ``irun`` (the pipeline counts its own steps).
+_UNLIMITED = 2**62
 
 
 class RelaxThenMDPipeline:
@@ -123,13 +102,16 @@ class RelaxThenMDPipeline:
 
     Parameters
     ----------
-    optimizer : BatchedOptimizer
-        Relaxes the structures (its parameters are used; it must not have run).
-    md : BatchedMolecularDynamics
-        Runs MD on the same ``Atoms`` objects (same model; must not have run).
+    optimizer : OptimizerPart
+        Relaxes the structures on rank 0 (must not have run); its own
+        observers, log and trajectories run there.
+    md : MDPart
+        Runs MD on the same ``Atoms`` objects on rank 1 (same model; must not
+        have run; resizable in place, ``md.resizable()``; no trajectory of its
+        own: give ``trajectory=`` here).
     fmax : float
         Force threshold, eV/Å, at which a structure is sent to MD (largest
-        atomic force norm <= fmax, as in ``optimizer + md``).
+        atomic force norm below fmax, the optimizer's criterion).
     md_steps : int, optional
         MD steps each structure runs on rank 1; None runs MD until
         ``run(steps)`` ends.
@@ -137,41 +119,38 @@ class RelaxThenMDPipeline:
         One ASE trajectory per structure, as for ``optimizer + md``: a template
         with ``{i}`` (index in ``images``) or one path per structure (open
         ``Trajectory`` objects are refused: each rank is its own process).
-        After :meth:`run` each file holds the frames the fused run writes:
-        frame 0, every ``loginterval``-th relaxation step, every MD step whose
-        fused step (relaxation steps + MD steps) is a multiple of
-        ``loginterval``, and, once every structure finished, copies of the
-        final state up to the fused run's last step. Frames are written as
-        they are computed into hidden per-rank files beside the target
-        (``.NAME.relax.tmp`` on rank 0, ``.NAME.md.tmp`` on rank 1), which rank
-        0 joins into the target at the end (``os.replace``) and removes.
+        After :meth:`run` each file holds the frames the fused run writes (see
+        the module notes).
     logfile : str, path or file, optional
         Rank 0 writes its relaxation lines here (``Step relax sent Epot/N[eV]
-        fmax[eV/A]``: structures relaxing on rank 0, handed over so far, their
+        fmax[eV/A]``: structures relaxing, handed over or failed so far, their
         mean energy per atom and largest fmax); rank 1 writes its MD lines
         (``Time[ps] md done Epot/N[eV] T_md[K]``) to ``STEM.rank1SUFFIX`` beside
         a path (``md.log`` -> ``md.rank1.log``), or to its own ``"-"`` / open
         file. The logs are not merged.
     loginterval : int
-        Frame and log interval, in steps (relaxation or MD steps for frames,
-        pipeline iterations for log lines).
+        Frame and log interval, in steps.
 
     Attributes
     ----------
     stage : numpy.ndarray, shape (B,), int
-        After :meth:`run`: 0 still relaxing, 1 in MD, 2 finished (the codes of
-        :attr:`nvalchemi_ase.compose.RelaxThenMD.stage`).
+        0 still relaxing, 1 in MD, 2 finished or failed (the codes of
+        :attr:`nvalchemi_ase.compose.RelaxThenMD.stage`), the same on both ranks.
     relax_steps : numpy.ndarray, shape (B,), int
-        After :meth:`run`: optimizer steps each structure took on rank 0 (the
-        step at which it was handed to MD, for those that were).
+        Optimizer steps each structure took on rank 0 (the step at which it
+        was handed to MD, for those that were).
+    failures : list of StructureFailure
+        Structures that failed on either rank: input index, step (relaxation
+        and MD steps, as the fused run counts) and reason; they keep their last
+        good state, and the others go on.
     nsteps : int
-        Pipeline iterations run (each is one step of each rank).
+        Steps run (each is one step of each rank).
     """
 
     def __init__(
         self,
-        optimizer: BatchedOptimizer,
-        md: BatchedMolecularDynamics,
+        optimizer: OptimizerPart,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
@@ -181,37 +160,47 @@ class RelaxThenMDPipeline:
     ) -> None:
         check_parts(optimizer, md, operator="|")
         _check_no_constraints(md.images)
+        if not md.resizable():
+            raise ValueError(
+                f"optimizer | md admits each structure into the MD batch when it "
+                f"arrives, and {type(md).__name__} cannot resize in place (its "
+                "per-structure parameters are sized at construction); use "
+                "VelocityVerlet, or optimizer + md in one process"
+            )
+        if md.trajectories:
+            raise ValueError(
+                "optimizer | md writes each structure's frames into trajectory= of "
+                "the pipeline; create the MD object without a trajectory"
+            )
         if not fmax > 0:
             raise ValueError(f"fmax must be positive (eV/Å), got {fmax}")
         if md_steps is not None and md_steps < 1:
             raise ValueError(f"md_steps must be >= 1 or None, got {md_steps}")
+        if int(loginterval) < 1:
+            raise ValueError(f"loginterval must be >= 1, got {loginterval}")
         self.optimizer, self.md = optimizer, md
-        self.images = md.images
+        self.images = list(md.images)
         self.fmax, self.md_steps = float(fmax), md_steps
+        self.loginterval = int(loginterval)
+        self.logfile = logfile
         count = len(self.images)
         self.stage: npt.NDArray[np.int64] = np.full(count, RELAXING, dtype=np.int64)
         self.relax_steps: npt.NDArray[np.int64] = np.zeros(count, dtype=np.int64)
+        self.failures: list[StructureFailure] = []
         self.nsteps = 0
-        if int(loginterval) < 1:
-            raise ValueError(f"loginterval must be >= 1, got {loginterval}")
-        self.loginterval = int(loginterval)
-        self.logfile = logfile
+        self._trajectory_paths: list[Path] = []
         if trajectory is not None:
             # checked (and existing files removed, as ASE does) on every rank
-            self.trajectories = TrajectorySet(
+            targets = TrajectorySet(
                 trajectory, count, append=False, description=self._description
             )
-            if any(path is None for path in self.trajectories.paths):
+            if any(path is None for path in targets.paths):
                 raise ValueError(
                     "optimizer | md writes trajectories by path (a template with "
                     "{i} or one path per structure), not into open Trajectory "
                     "objects: each rank is its own process"
                 )
-            self._trajectory_paths: list[Path] = [
-                path for path in self.trajectories.paths if path is not None
-            ]
-        else:
-            self._trajectory_paths = []
+            self._trajectory_paths = [p for p in targets.paths if p is not None]
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -236,12 +225,13 @@ class RelaxThenMDPipeline:
         Parameters
         ----------
         steps : int
-            Limit on pipeline iterations (each is one step of each rank).
+            Limit on steps (each is one step of each rank).
 
         Returns
         -------
         bool
-            True when every structure relaxed and did its ``md_steps`` MD steps.
+            True when every structure relaxed and did its ``md_steps`` MD steps
+            or failed (see :attr:`failures`).
 
         Raises
         ------
@@ -254,140 +244,77 @@ class RelaxThenMDPipeline:
 
         with _process_group(self.md.setup.device) as group:
             rank = dist.get_rank()
-            pipeline = self._build_pipeline()
-            self._frame_files[rank].remove()  # a failed run's leftovers
+            frames = self._frame_writer(rank)
+            stage: _Relaxation | _Dynamics = (
+                _Relaxation(self, frames)
+                if rank == RELAX_RANK
+                else _Dynamics(self, frames)
+            )
             log = self._open_log(rank)
-            outputs = self._frame_outputs()
+            done = False
             try:
-                pipeline_start(pipeline)
-                done = False
-                for _ in range(steps):
-                    pipeline.step()
+                report = stage.start()
+                for _ in range(steps + 1):
+                    self._exchange(report, stage, group)
+                    done = bool((self.stage >= FINISHED).all())
+                    if done or self.nsteps == steps:
+                        break
+                    report = stage.advance()
                     self.nsteps += 1
                     if log is not None and self.nsteps % self.loginterval == 0:
-                        self._write_log(log, pipeline, rank)
-                    if pipeline_all_done(pipeline):
-                        done = True
-                        break
+                        log.write(stage.log_line())
             finally:
-                outputs.close()
-                for files in self._frame_files:
-                    files.close()
+                stage.close()
+                if frames is not None:
+                    frames.close()
             gathered: list[Any] = [None] * dist.get_world_size()
             # also the barrier after which rank 1's frame files are complete
-            dist.all_gather_object(gathered, self._local_frames(pipeline), group=group)
-            frames = [frame for frames in gathered for frame in frames]
-            self._write_back(frames)
+            dist.all_gather_object(gathered, stage.final_states(), group=group)
+            self._write_back(gathered[1 - rank])
             if self._trajectory_paths:
                 if rank == RELAX_RANK:
-                    self._join_trajectories(frames, done)
+                    self._join_trajectories(done)
                 dist.barrier(group=group)  # the files are whole on every rank
         return done
 
-    # -- the stages ----------------------------------------------------------
+    # -- the exchange ----------------------------------------------------------
 
-    def _build_pipeline(self) -> Any:
-        dynamics = import_quietly("nvalchemi.dynamics")
-        base = import_quietly("nvalchemi.dynamics.base")
-        data = self._structure_data()
-        count, atoms = len(data), sum(item.num_nodes for item in data)
-        buffers = base.BufferConfig(num_systems=count, num_nodes=atoms, num_edges=0)
-        device_type = self.md.setup.device.type
-        self._frame_files = [
-            _FrameFiles(self._temporary_paths(part), self.images, momenta=part == "md")
-            for part in ("relax", "md")
-        ]
-        relax = self._relax_stage(data, buffers, device_type)
-        self._finished: list[Any] = []
-        integrate = self._md_stage(buffers, device_type, count)
-        return dynamics.DistributedPipeline(
-            stages={RELAX_RANK: relax, MD_RANK: integrate}
-        )
+    def _exchange(self, report: dict[str, Any], stage: Any, group: Any) -> None:
+        """Share both ranks' changes; every rank applies them in the same order."""
+        import torch.distributed as dist
 
-    def _structure_data(self) -> list[Any]:
-        """One ``AtomicData`` per structure, at rest, with the pipeline's fields."""
-        items = []
-        self._entry_velocities: list[torch.Tensor] = []
-        for index, atoms in enumerate(self.images):
-            batch = atoms_to_batch(
-                [atoms],
-                device="cpu",
-                dtype=self.md.setup.dtype,
-                warn_dropped=False,
-            )
-            item = batch.get_data(0)
-            self._entry_velocities.append(batch.velocities.clone())
-            item.velocities.zero_()  # the optimizer starts at rest
-            for key, value in (
-                (_INDEX, index),
-                (_RELAX_STEPS, 0),
-                (_IN_MD, 0),
-                (_MD_STEPS, 0),
-            ):
-                item.add_system_property(key, torch.tensor([[value]]))
-            items.append(item)
-        return items
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, report, group=group)
+        relaxed, integrated = gathered[RELAX_RANK], gathered[MD_RANK]
+        for part in (relaxed, integrated):
+            for index, step, reason in part["failures"]:
+                self.failures.append(StructureFailure(index, step, reason))
+                self.stage[index] = FINISHED
+        for index, step, *_ in relaxed["arrivals"]:
+            self.stage[index] = RUNNING_MD
+            self.relax_steps[index] = step
+        self.stage[list(integrated["finished"])] = FINISHED
+        running = self.stage == RELAXING
+        self.relax_steps[running] = relaxed["nsteps"]
+        if isinstance(stage, _Dynamics):
+            stage.admit(relaxed["arrivals"], self.nsteps)
 
-    def _relax_stage(self, data: list[Any], buffers: Any, device_type: str) -> Any:
-        dynamics = import_quietly("nvalchemi.dynamics")
-        model = self.optimizer.model
-        stages = dynamics.DynamicsStage
-        frames = self._frame_files[0] if self._trajectory_paths else None
-        count_steps = _CountSteps(_RELAX_STEPS, stages.BEFORE_STEP, first_frame=frames)
-        hooks = [*neighbor_hooks(model, self.optimizer.neighbor_skin), count_steps]
-        if frames is not None:
-            hooks.append(
-                _WriteFrames(count_steps, frames, self.loginterval, stages.AFTER_STEP)
-            )
-        relax = self.optimizer.build_engine(hooks)
-        relax.convergence_hook = dynamics.ConvergenceHook.from_fmax(threshold=self.fmax)
-        relax.sampler = dynamics.SizeAwareSampler(
-            _Structures(data),
-            max_atoms=sum(item.num_nodes for item in data),
-            max_edges=None,
-            max_batch_size=len(data),
-        )
-        _configure(relax, buffers, device_type, len(data))
-        return relax
+    def _write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
+        """Write the other rank's final states into this rank's ``Atoms``."""
+        for index, state in states:
+            atoms = self.images[index]
+            atoms.set_positions(state["positions"], apply_constraint=False)
+            atoms.set_cell(state["cell"])
+            if state["momenta"] is not None:
+                atoms.set_momenta(state["momenta"], apply_constraint=False)
+            if atoms.calc is None:
+                atoms.calc = self.md.setup.calculator
+            if hasattr(atoms.calc, "store_results"):
+                atoms.calc.store_results(atoms, state["results"])
+            else:
+                from ase.calculators.singlepoint import SinglePointCalculator
 
-    def _md_stage(self, buffers: Any, device_type: str, count: int) -> Any:
-        dynamics = import_quietly("nvalchemi.dynamics")
-        stages = dynamics.DynamicsStage
-        integrate = self.md.build_engine([])
-        integrate.n_steps = self.md_steps
-        # Arrivals get their forces evaluated on this rank: nvalchemi 0.3 would
-        # reuse the ones they carry, but after the first arrival they come
-        # through the receive buffer with forces zeroed, and MD's first
-        # half-kick would use zero forces.
-        integrate.reprime_on_entry = True
-        count_steps = _CountSteps(_MD_STEPS, stages.BEFORE_STEP)
-        hooks = [
-            *neighbor_hooks(self.md.model, self.md.neighbor_skin),
-            _EnterMD(self._entry_velocities, stages.BEFORE_STEP),
-            count_steps,
-        ]
-        if self._trajectory_paths:
-            hooks.append(
-                _WriteFrames(
-                    count_steps,
-                    self._frame_files[1],
-                    self.loginterval,
-                    stages.AFTER_STEP,
-                    offset=_RELAX_STEPS,
-                )
-            )
-        hooks += [
-            _KeepFinished(self._finished, stages.ON_GRADUATE),
-            _DropNeighborFields(stages.AFTER_STEP),
-        ]
-        fused = dynamics.FusedStage(
-            sub_stages=[(RUNNING_MD, integrate)],
-            entry_status=RUNNING_MD,
-            exit_status=FINISHED,
-            hooks=hooks,
-        )
-        _configure(fused, buffers, device_type, count)
-        return fused
+                atoms.calc = SinglePointCalculator(atoms, **state["results"])
 
     # -- trajectories and logs -------------------------------------------------
 
@@ -398,58 +325,60 @@ class RelaxThenMDPipeline:
             for path in self._trajectory_paths
         ]
 
-    def _join_trajectories(
-        self, frames: list[tuple[int, int, int, Any]], done: bool
-    ) -> None:
+    def _frame_writer(self, rank: int) -> TrajectorySet | None:
+        """Return this rank's frame files (an earlier run's removed), or None."""
+        if not self._trajectory_paths:
+            return None
+        part = "relax" if rank == RELAX_RANK else "md"
+        paths = [str(path) for path in self._temporary_paths(part)]
+        return TrajectorySet(
+            paths, len(paths), append=False, description=self._description
+        )
+
+    def _join_trajectories(self, done: bool) -> None:
         """Rank 0: each structure's relaxation then MD frames into its file.
 
         When every structure finished (``md_steps`` set), each file is padded
-        with copies of its final state up to the fused run's last step, as
-        ``optimizer + md`` goes on writing finished structures until the last
-        one finishes.
+        with copies of its final state (with the stress of its last frame) up
+        to the fused run's last step, as ``optimizer + md`` goes on writing
+        finished structures until the last one finishes.
         """
+        from ase.calculators.singlepoint import SinglePointCalculator
         from ase.io.trajectory import Trajectory
 
-        final = {index: batch for index, _, _, batch in frames}
         ends = self.relax_steps + (self.md_steps or 0)
-        last = int(ends.max()) if done and self.md_steps is not None else None
+        finished = [f.index for f in self.failures]
+        last = int(np.delete(ends, finished).max(initial=0))
+        pad_to = last if done and self.md_steps is not None else None
         relax, md = self._temporary_paths("relax"), self._temporary_paths("md")
         for index, target in enumerate(self._trajectory_paths):
             joined = target.with_name(f".{target.name}.tmp")
             with Trajectory(joined, "w") as writer:
                 writer.set_description(self._description())
+                final = None
                 for part in (relax[index], md[index]):
                     if part.exists() and part.stat().st_size > 0:
                         with Trajectory(part, "r") as reader:
-                            for atoms in reader:
-                                writer.write(atoms)
-                if last is not None and index in final:
+                            for final in reader:
+                                writer.write(final)
+                pad = 0
+                if pad_to is not None and index not in finished:
                     interval = self.loginterval
-                    pad = last // interval - int(ends[index]) // interval
-                    if pad > 0:
-                        atoms = self.images[index].copy()
-                        batch = final[index]
-                        update_atoms([atoms], batch, stress="stress" in batch)
-                        for _ in range(pad):
-                            writer.write(atoms)
+                    pad = pad_to // interval - int(ends[index]) // interval
+                if pad > 0:
+                    atoms = self.images[index].copy()
+                    results = {
+                        "energy": self.images[index].get_potential_energy(),
+                        "forces": self.images[index].get_forces(),
+                    }
+                    if final is not None and "stress" in final.calc.results:
+                        results["stress"] = final.calc.results["stress"]
+                    atoms.calc = SinglePointCalculator(atoms, **results)
+                    for _ in range(pad):
+                        writer.write(atoms)
             os.replace(joined, target)
             relax[index].unlink(missing_ok=True)
             md[index].unlink(missing_ok=True)
-
-    def _frame_outputs(self) -> contextlib.ExitStack:
-        """Ask the model for stress too while trajectories are written.
-
-        ``optimizer + md`` asks for it on the steps it writes frames; here the
-        model is called inside nvalchemi's stages, so it is asked for on every
-        step (frames of periodic structures then carry stress, as the fused
-        run's do). Returns the context to close after the run.
-        """
-        stack = contextlib.ExitStack()
-        config = self.md.model.model_config
-        if self._trajectory_paths and "stress" in config.outputs:
-            wanted = set(config.active_outputs) | {"stress"}
-            stack.enter_context(self.md.model.narrowed_outputs(wanted))
-        return stack
 
     def _open_log(self, rank: int) -> Any:
         """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path)."""
@@ -467,317 +396,275 @@ class RelaxThenMDPipeline:
         log.write("%-9s %6s %6s %12s %10s\n" % header)
         return log
 
-    def _write_log(self, log: Any, pipeline: Any, rank: int) -> None:
-        """One line: this rank's structures after pipeline iteration ``nsteps``."""
-        from nvalchemi_ase.units import ase_time_to_ps
 
-        batch = pipeline.stages[rank].active_batch
-        rows = 0 if batch is None else int(batch.num_graphs)
-        epot = last = float("nan")
-        if rows:
-            with torch.no_grad():
-                natoms = batch.num_nodes_per_graph.to(torch.float64)
-                per_atom = batch.energy.detach().reshape(-1).to(torch.float64) / natoms
-                epot = float(per_atom.mean())
-                if rank == RELAX_RANK:
-                    last = float(batch.forces.detach().norm(dim=1).max())
-                else:
-                    velocities = batch.velocities.detach().to(torch.float64)
-                    kinetic = 0.5 * batch.atomic_masses.detach().to(torch.float64)
-                    kinetic = kinetic * (velocities * velocities).sum(dim=1)
-                    ekin = torch.zeros(rows, dtype=torch.float64)
-                    ekin.index_add_(0, batch.batch_idx.long().cpu(), kinetic.cpu())
-                    last = float(
-                        kinetic_temperature_K(
-                            ekin.numpy(), 3 * natoms.cpu().numpy()
-                        ).mean()
-                    )
-        if rank == RELAX_RANK:
-            first = "%-9d" % self.nsteps
-            counts = (rows, len(self.images) - rows)
-        else:
-            first = "%-9.4f" % ase_time_to_ps(self.nsteps * self.md.dt)
-            counts = (rows, sum(int(done.num_graphs) for done in self._finished))
-        log.write("%s %6d %6d %12.6f %10.4f\n" % (first, *counts, epot, last))
+class _Frames:
+    """ASE observer: the due structures' frames into a ``TrajectorySet``.
 
-    # -- the results ---------------------------------------------------------
+    ``due()`` says which of ``images`` (input order) took the step just made;
+    the model is asked for stress on the steps the observer is due.
+    """
 
-    def _local_frames(self, pipeline: Any) -> list[tuple[int, int, int, Any]]:
-        """``(index, stage, relax steps, one-structure CPU batch)`` held here."""
-        import torch.distributed as dist
+    needs_stress = True
 
-        rank = dist.get_rank()
-        active = pipeline.stages[rank].active_batch
-        held = [] if active is None or active.num_graphs == 0 else [active]
-        if rank == MD_RANK:
-            held = [*self._finished, *held]
-        frames = []
-        for batch in held:
-            for row in range(batch.num_graphs):
-                one = batch.index_select([row]).to("cpu")
-                stage = (
-                    FINISHED
-                    if int(one.status.reshape(-1)[0]) >= FINISHED
-                    else (RUNNING_MD if rank == MD_RANK else RELAXING)
-                )
-                index = int(one[_INDEX].reshape(-1)[0])
-                steps = int(one[_RELAX_STEPS].reshape(-1)[0])
-                frames.append((index, stage, steps, one))
-        return frames
+    def __init__(self, frames: TrajectorySet, images: list[Any], due: Any) -> None:
+        self._frames, self._images, self._due = frames, images, due
 
-    def _write_back(self, frames: list[tuple[int, int, int, Any]]) -> None:
-        """Write each structure's final state into its ``Atoms`` (this rank's)."""
-        for index, stage, steps, batch in frames:
-            atoms = self.images[index]
-            if atoms.calc is None:
-                atoms.calc = self.md.setup.calculator
-            update_atoms(
-                [atoms], batch, results=True, momenta=stage >= RUNNING_MD, stress=False
+    def __call__(self) -> None:
+        self._frames.write(self._images, self._due())
+
+
+class _Relaxation:
+    """Rank 0: the optimizer, its converged structures handed over after each step."""
+
+    def __init__(self, pipeline: RelaxThenMDPipeline, frames: TrajectorySet | None):
+        self.pipeline = pipeline
+        self.optimizer = pipeline.optimizer
+        count = len(pipeline.images)
+        self.sent = np.zeros(count, dtype=bool)
+        self.reported = np.zeros(count, dtype=bool)  # failures already reported
+        self._first: Iterator[bool] | None = None
+        self._run: Iterator[bool] | None = None
+        if frames is not None:
+            self.optimizer.attach(
+                _Frames(frames, pipeline.images, self._frame_due),
+                interval=pipeline.loginterval,
             )
-            self.stage[index] = stage
-            self.relax_steps[index] = steps
 
+    def _frame_due(self) -> npt.NDArray[np.bool_]:
+        converged_at = self.optimizer.converged_at_step
+        step = self.optimizer.nsteps
+        relaxing = (converged_at < 0) | (converged_at == step)
+        return relaxing & ~self.sent & ~self.optimizer.failed_mask
 
-class _Structures:
-    """The dataset ``SizeAwareSampler`` draws from: the structures, in order."""
+    def start(self) -> dict[str, Any]:
+        """Prime the optimizer (frame 0); nothing is handed over at step 0.
 
-    def __init__(self, items: list[Any]) -> None:
-        self._items = items
+        Every structure takes at least one relaxation step, as in the fused
+        run (nvalchemi's ``FusedStage`` checks convergence after a step): the
+        first step is an ``irun`` with ``fmax=0``, the rest one ``irun`` with
+        ``fmax``, whose start checks the state after step 1.
+        """
+        self._first = self.optimizer.irun(fmax=0.0, steps=1, sync_atoms=False)
+        next(self._first)
+        return self._report()
 
-    def __len__(self) -> int:
-        return len(self._items)
+    def advance(self) -> dict[str, Any]:
+        """One optimizer step; what changed."""
+        if self._first is not None:
+            next(self._first)
+            _close(self._first)
+            self._first = None
+            self._run = self.optimizer.irun(
+                fmax=self.pipeline.fmax, steps=_UNLIMITED, sync_atoms=False
+            )
+        if self._run is not None:
+            try:
+                next(self._run)
+            except StopIteration:
+                self._run = None
+        return self._report()
 
-    def __getitem__(self, index: int) -> tuple[Any, dict[str, int]]:
-        item = self._items[index]
-        return item, {"num_atoms": item.num_nodes, "num_edges": 0}
+    def _report(self) -> dict[str, Any]:
+        failed = self.optimizer.failed_mask
+        failures = [
+            (f.index, f.step, f.reason)
+            for f in self.optimizer.failures
+            if not self.reported[f.index]
+        ]
+        self.reported |= failed
+        converged_at = self.optimizer.converged_at_step
+        arriving = (converged_at >= 0) & ~self.sent & ~failed
+        arrivals = []
+        if arriving.any():
+            self.optimizer.sync_structures(arriving, results=True)
+            for index in map(int, np.flatnonzero(arriving)):
+                atoms = self.pipeline.images[index]
+                arrivals.append(
+                    (
+                        index,
+                        int(converged_at[index]),
+                        atoms.positions.copy(),
+                        atoms.cell.array.copy(),
+                    )
+                )
+            self.sent |= arriving
+        return {
+            "arrivals": arrivals,
+            "failures": failures,
+            "finished": [],
+            "nsteps": self.optimizer.nsteps,
+        }
 
-    def get_metadata(self, index: int) -> tuple[int, int]:
-        return self._items[index].num_nodes, 0
-
-
-class _CountSteps:
-    """nvalchemi hook (``BEFORE_STEP``): count each structure's steps in ``key``.
-
-    Structures still waiting for their first forces (refilled ones, arrivals
-    re-evaluated on entry) are not counted this step; :attr:`updated` says
-    which rows were, for the ``AFTER_STEP`` frame writer. With ``first_frame``
-    the rows about to take their first step have frame 0 written first.
-    """
-
-    frequency = 1
-
-    def __init__(
-        self, key: str, stage: Any, first_frame: _FrameFiles | None = None
-    ) -> None:
-        self.stage = stage
-        self.key = key
-        self._first_frame = first_frame
-        self.updated: torch.Tensor | None = None
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        batch = ctx.batch
-        steps = batch[self.key]
-        pending = getattr(batch, "reprime_pending", None)
-        count = steps.shape[0]
-        updated = (
-            torch.ones(count, dtype=torch.bool, device=steps.device)
-            if pending is None
-            else ~pending.reshape(-1)[:count].bool()
+    def log_line(self) -> str:
+        relaxing = self.pipeline.stage == RELAXING
+        epot = last = float("nan")
+        if relaxing.any():
+            thermo = self.optimizer.per_structure_thermo()
+            epot = float((thermo["epot"] / thermo["natoms"])[relaxing].mean())
+            last = float(self.optimizer.fmax_per_structure[relaxing].max())
+        counts = (int(relaxing.sum()), int((~relaxing).sum()))
+        return "%-9d %6d %6d %12.6f %10.4f\n" % (
+            self.pipeline.nsteps,
+            *counts,
+            epot,
+            last,
         )
-        if self._first_frame is not None:
-            first = torch.where(updated & (steps.reshape(-1) == 0))[0]
-            self._first_frame.write(batch, first)
-        with torch.no_grad():
-            steps.add_(updated.to(steps).reshape(steps.shape))
-        self.updated = updated
 
-
-class _WriteFrames:
-    """nvalchemi hook (``AFTER_STEP``): write the frames due at this step.
-
-    A row that took a step is due when its fused step (its own step count,
-    plus its relaxation steps for MD) is a multiple of ``interval``; the due
-    rows are copied to the host in one transfer.
-    """
-
-    frequency = 1
-
-    def __init__(
-        self,
-        counter: _CountSteps,
-        frames: _FrameFiles,
-        interval: int,
-        stage: Any,
-        offset: str | None = None,
-    ) -> None:
-        self.stage = stage
-        self._counter, self._frames = counter, frames
-        self._interval, self._offset = interval, offset
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        updated = self._counter.updated
-        if updated is None:
-            return
-        batch = ctx.batch
-        fused_step = batch[self._counter.key].reshape(-1)
-        if self._offset is not None:
-            fused_step = fused_step + batch[self._offset].reshape(-1)
-        due = updated & (fused_step % self._interval == 0)
-        self._frames.write(batch, torch.where(due)[0])
-
-
-class _FrameFiles:
-    """One rank's per-structure frame files, opened on the first frame.
-
-    Each frame is the structure's row of the batch written into a copy of its
-    ``Atoms`` (positions, energy and forces; momenta on the MD rank, the
-    ``Atoms``' own on the relaxation rank, as ``optimizer + md`` writes them).
-    """
-
-    def __init__(self, paths: list[Path], images: list[Any], *, momenta: bool) -> None:
-        self._paths = paths
-        self._images = images
-        self._copies: dict[int, Any] = {}
-        self._writers: dict[int, Any] = {}
-        self._momenta = momenta
-
-    def write(self, batch: Any, rows: torch.Tensor) -> None:
-        if not self._paths or rows.numel() == 0:
-            return
-        from ase.io.trajectory import Trajectory
-
-        selected = batch.index_select(rows).to("cpu")
-        indices = [int(i) for i in selected[_INDEX].reshape(-1).tolist()]
-        copies = [self._copy(index) for index in indices]
-        update_atoms(
-            copies, selected, momenta=self._momenta, stress="stress" in selected
-        )
-        for index, atoms in zip(indices, copies, strict=True):
-            writer = self._writers.get(index)
-            if writer is None:
-                writer = Trajectory(self._paths[index], "w")
-                self._writers[index] = writer
-            writer.write(atoms)
-
-    def remove(self) -> None:
-        """Delete the files (before the first frame: an earlier run's)."""
-        for path in self._paths:
-            path.unlink(missing_ok=True)
-
-    def _copy(self, index: int) -> Any:
-        copy = self._copies.get(index)
-        if copy is None:
-            copy = self._copies[index] = self._images[index].copy()
-        return copy
+    def final_states(self) -> list[tuple[int, dict[str, Any]]]:
+        """Return the final states of the structures that never left this rank."""
+        images = self.pipeline.images
+        return [
+            _state(index, images[index], momenta=False)
+            for index in map(int, np.flatnonzero(~self.sent))
+        ]
 
     def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
+        for run in (self._first, self._run):
+            if run is not None:
+                _close(run)  # writes every structure back (end of the run)
+        self._first = self._run = None
 
 
-class _EnterMD:
-    """nvalchemi hook (MD stage, ``BEFORE_STEP``): arrivals get their momenta back.
+class _Dynamics:
+    """Rank 1: one MD batch admitting arrivals and retiring finished structures."""
 
-    Each arriving structure's velocities (the optimizer's, fictitious) become
-    the ones its ``Atoms`` had when ``run()`` started, looked up by the
-    structure's input index (nvalchemi 0.3 sends a structure's own per-system
-    fields to the next rank, but not extra per-atom ones). Tensor operations
-    only (no host synchronisation).
+    def __init__(self, pipeline: RelaxThenMDPipeline, frames: TrajectorySet | None):
+        self.pipeline = pipeline
+        self.md = pipeline.md
+        count = len(pipeline.images)
+        #: Input index of each structure of the MD batch, in batch order.
+        self.rows = np.zeros(0, dtype=np.int64)
+        #: Step at which each structure entered MD (-1: not yet), input order.
+        self.entered = np.full(count, -1, dtype=np.int64)
+        self.done = np.zeros(count, dtype=bool)  # finished or failed in MD
+        self.received = np.zeros(count, dtype=bool)
+        self._run: Iterator[bool] | None = None
+        if frames is not None:
+            self.md.attach(
+                _Frames(frames, pipeline.images, self._frame_due),
+                interval=pipeline.loginterval,
+            )
 
-    Parameters
-    ----------
-    velocities : list of torch.Tensor
-        Initial velocities of each structure, (n_i, 3), nvalchemi's units.
-    stage : DynamicsStage
-        ``BEFORE_STEP``.
-    """
+    def _md_steps(self) -> npt.NDArray[np.int64]:
+        """MD steps each structure took, input order (0: not in MD)."""
+        taken = self.md.nsteps - self.entered
+        return np.where(self.entered >= 0, taken, 0)
 
-    frequency = 1
+    def _frame_due(self) -> npt.NDArray[np.bool_]:
+        in_batch = np.zeros(len(self.entered), dtype=bool)
+        in_batch[self.rows] = True
+        failed = np.zeros_like(in_batch)
+        failed[self.rows[self.md.failed_mask]] = True
+        return in_batch & ~failed & (self._md_steps() >= 1)
 
-    def __init__(self, velocities: list[torch.Tensor], stage: Any) -> None:
-        self.stage = stage
-        self._velocities = torch.cat(velocities)
-        counts = torch.tensor([len(v) for v in velocities])
-        self._first_atom = torch.cumsum(counts, 0) - counts
+    def start(self) -> dict[str, Any]:
+        return _nothing()
 
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        batch = ctx.batch
-        in_md = batch[_IN_MD]
-        device = batch.velocities.device
-        if self._velocities.device != device:
-            self._velocities = self._velocities.to(device)
-            self._first_atom = self._first_atom.to(device)
-        system = batch.batch_idx.long()
-        local = torch.arange(batch.num_nodes, device=device) - batch.batch_ptr[system]
-        index = batch[_INDEX].reshape(-1)[system]
-        initial = self._velocities[self._first_atom[index] + local]
-        entering = (in_md.reshape(-1) == 0)[system]
-        with torch.no_grad():
-            velocities = batch.velocities
-            velocities.copy_(torch.where(entering[:, None], initial, velocities))
-            in_md.fill_(1)
-
-
-class _KeepFinished:
-    """nvalchemi hook (MD stage, ``ON_GRADUATE``): keep finished structures.
-
-    They leave the MD stage's batch right after this step; a copy on the CPU
-    is appended to ``finished``.
-    """
-
-    frequency = 1
-
-    def __init__(self, finished: list[Any], stage: Any) -> None:
-        self.stage = stage
-        self._finished = finished
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        mask = getattr(ctx, "graduated_mask", None)
-        if mask is None:
+    def admit(self, arrivals: list[Any], nsteps: int) -> None:
+        """Retire the finished structures and admit ``arrivals`` (between steps)."""
+        images = self.pipeline.images
+        for index, _, positions, cell in arrivals:
+            atoms = images[index]
+            atoms.set_cell(cell)
+            atoms.set_positions(positions, apply_constraint=False)
+            self.received[index] = True
+        keep = np.flatnonzero(~self.done[self.rows])
+        if not arrivals and len(keep) == len(self.rows):
             return
-        rows = torch.where(mask.reshape(-1))[0]
-        if rows.numel():
-            self._finished.append(ctx.batch.index_select(rows).to("cpu"))
+        if not arrivals and not len(keep):
+            self.close()
+            self.rows = self.rows[keep]
+            return
+        admitted = [index for index, *_ in arrivals]
+        if self._run is None:
+            self.md.nsteps = nsteps
+            keep = np.zeros(0, dtype=np.int64)  # between runs: the batch starts over
+            self.rows = self.rows[keep]
+        self.md.resize(keep, [images[index] for index in admitted])
+        self.rows = np.concatenate([self.rows[keep], np.asarray(admitted, np.int64)])
+        self.entered[admitted] = nsteps
+        if self._run is None:
+            self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
+            next(self._run)  # the resize evaluated the batch; nothing runs
+
+    def advance(self) -> dict[str, Any]:
+        """One MD step of the structures in MD; what finished or failed."""
+        if self._run is None:
+            return _nothing()
+        next(self._run)
+        failed_rows = self.md.failed_mask
+        failures = [
+            (int(self.rows[f.index]), f.step, f.reason)
+            for f in self.md.failures
+            if not self.done[self.rows[f.index]]
+        ]
+        finished = np.zeros(len(self.rows), dtype=bool)
+        if self.pipeline.md_steps is not None:
+            finished = self._md_steps()[self.rows] >= self.pipeline.md_steps
+        finished &= ~failed_rows
+        leaving = (finished | failed_rows) & ~self.done[self.rows]
+        if leaving.any():
+            self.md.sync_structures(leaving, results=True)
+        self.done[self.rows[leaving]] = True
+        report = _nothing()
+        report["failures"] = failures
+        report["finished"] = [int(i) for i in self.rows[finished & leaving]]
+        return report
+
+    def log_line(self) -> str:
+        from nvalchemi_ase.units import ase_time_to_ps
+
+        active = ~self.done[self.rows]
+        epot = temperature = float("nan")
+        if self._run is not None and active.any():
+            thermo = self.md.per_structure_thermo()
+            epot = float((thermo["epot"] / thermo["natoms"])[active].mean())
+            temperature = float(thermo["temperature"][active].mean())
+        counts = (int(active.sum()), int((self.pipeline.stage >= FINISHED).sum()))
+        time = ase_time_to_ps(self.pipeline.nsteps * self.md.dt)
+        return "%-9.4f %6d %6d %12.6f %10.4f\n" % (time, *counts, epot, temperature)
+
+    def final_states(self) -> list[tuple[int, dict[str, Any]]]:
+        """Return the final states of the structures that reached MD."""
+        images = self.pipeline.images
+        return [
+            _state(index, images[index], momenta=True)
+            for index in map(int, np.flatnonzero(self.received))
+        ]
+
+    def close(self) -> None:
+        if self._run is not None:
+            _close(self._run)  # writes every structure back (end of the run)
+            self._run = None
 
 
-class _DropNeighborFields:
-    """nvalchemi hook (MD stage, ``AFTER_STEP``): leave no neighbour list behind.
-
-    nvalchemi 0.3 makes a receiving stage's buffer from its own batch, neighbour
-    matrix included, whose width (neighbours per atom) changes between
-    rebuilds; arrivals then no longer append to the batch (``ValueError: Key
-    'neighbor_matrix' has incompatible shape``). Without the fields between
-    steps, the buffer and the batch agree, and the neighbour hook rebuilds the
-    list before each evaluation.
-    """
-
-    frequency = 1
-
-    def __init__(self, stage: Any) -> None:
-        self.stage = stage
-
-    def __call__(self, ctx: Any, stage: Any) -> None:
-        batch = ctx.batch
-        for key in _NEIGHBOR_FIELDS:
-            if key in batch:
-                del batch[key]
+def _close(run: Iterator[bool]) -> None:
+    """End a part's ``irun`` generator (its run's end: ``Atoms`` written)."""
+    close = getattr(run, "close", None)
+    if close is not None:
+        close()
 
 
-_NEIGHBOR_FIELDS = (
-    "neighbor_matrix",
-    "num_neighbors",
-    "neighbor_matrix_shifts",
-    "neighbor_list",
-    "neighbor_list_shifts",
-)
+def _nothing() -> dict[str, Any]:
+    return {"arrivals": [], "failures": [], "finished": [], "nsteps": 0}
 
 
-def _configure(engine: Any, buffers: Any, device_type: str, count: int) -> None:
-    """Make ``engine`` a pipeline stage (attributes of nvalchemi's comms mixin)."""
-    engine.buffer_config = buffers
-    engine.device_type = device_type
-    engine.max_batch_size = count
+def _state(index: int, atoms: Any, *, momenta: bool) -> tuple[int, dict[str, Any]]:
+    """Return what the other rank needs to hold structure ``index``'s final state."""
+    results = {
+        "energy": atoms.get_potential_energy(),
+        "free_energy": atoms.get_potential_energy(),
+        "forces": atoms.get_forces(apply_constraint=False),
+    }
+    return (
+        index,
+        {
+            "positions": atoms.positions.copy(),
+            "cell": atoms.cell.array.copy(),
+            "momenta": atoms.get_momenta() if momenta else None,
+            "results": results,
+        },
+    )
 
 
 def _check_no_constraints(images: list[Any]) -> None:

@@ -8,8 +8,10 @@ package's own private attributes:
 * nvalchemi's private names are read from its installed source: members its
   classes define or use on ``self`` (methods, class attributes, ``self._x``,
   ``getattr(self, "_x")``), attributes it sets on other objects
-  (``batch._x = ...``, ``getattr/setattr/hasattr/delattr(obj, "_x")``) and
-  its modules' private functions, classes and constants.
+  (``batch._x = ...``, ``getattr/setattr/hasattr/delattr(obj, "_x")``, the
+  instance dict: ``obj.__dict__.get("_x")``, ``vars(obj)["_x"]``), names held
+  in ``_X_ATTR = "_x"`` constants, and its modules' private functions, classes
+  and constants. The package's code is read for the same forms.
 * ``self._x`` (and ``super()._x``, ``cls._x``, a class-body ``_x``) inside one
   of the package's classes is nvalchemi's only when the class derives from an
   nvalchemi class whose own source (along its MRO) defines or uses ``_x``;
@@ -72,6 +74,51 @@ def _string_argument(node: ast.Call) -> str | None:
     return None
 
 
+def _instance_dict_of(node: ast.expr) -> ast.expr | None:
+    """``obj`` of ``obj.__dict__`` and of ``vars(obj)``, else None."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return node.value
+    if (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "vars"
+        and len(node.args) == 1
+    ):
+        return node.args[0]
+    return None
+
+
+def keyed_access(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """``(obj, "_x")`` of an attribute reached by its name as a string.
+
+    ``getattr/hasattr/setattr/delattr(obj, "_x")`` and the instance dict:
+    ``obj.__dict__["_x"]``, ``obj.__dict__.get("_x")`` (``pop``,
+    ``setdefault``), ``vars(obj)["_x"]``.
+    """
+    if isinstance(node, ast.Call) and node.args:
+        string = _string_argument(node)
+        if string is not None:
+            return node.args[0], string
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in ("get", "pop", "setdefault")
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            owner = _instance_dict_of(func.value)
+            if owner is not None:
+                return owner, node.args[0].value
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+    ):
+        owner = _instance_dict_of(node.value)
+        if owner is not None:
+            return owner, node.slice.value
+    return None
+
+
 def _is_self(node: ast.expr) -> bool:
     """``self``, ``cls`` or ``super()``: the object a class's own code is on."""
     if isinstance(node, ast.Name):
@@ -104,10 +151,10 @@ def _own_names(tree: ast.AST) -> set[str]:
             names.update(_class_body_names(node))
         elif isinstance(node, ast.Attribute) and _is_self(node.value):
             names.add(node.attr)
-        elif isinstance(node, ast.Call) and node.args and _is_self(node.args[0]):
-            name = _string_argument(node)
-            if name is not None:
-                names.add(name)
+        else:
+            keyed = keyed_access(node)
+            if keyed is not None and _is_self(keyed[0]):
+                names.add(keyed[1])
     return {name for name in names if is_private(name)}
 
 
@@ -133,10 +180,31 @@ def _names_set_on_others(tree: ast.AST) -> set[str]:
             and not _is_self(node.value)
         ):
             names.add(node.attr)
-        elif isinstance(node, ast.Call):
-            name = _string_argument(node)
-            if name is not None:
-                names.add(name)
+        else:
+            keyed = keyed_access(node)
+            if keyed is not None:
+                names.add(keyed[1])
+    return {name for name in names if is_private(name)}
+
+
+def _attribute_name_constants(tree: ast.Module) -> set[str]:
+    """Private attribute names held in module constants (``_X_ATTR = "_x"``).
+
+    nvalchemi sets some attributes through such a constant
+    (``setattr(batch, _PIPELINE_NEIGHBOR_SOURCES_ATTR, ...)``).
+    """
+    names = set()
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+            and node.value.value.isidentifier()
+            and any(
+                isinstance(t, ast.Name) and t.id.endswith("_ATTR") for t in node.targets
+            )
+        ):
+            names.add(node.value.value)
     return {name for name in names if is_private(name)}
 
 
@@ -150,7 +218,7 @@ def nvalchemi_names() -> frozenset[str]:
     for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text())
         names |= _own_names(tree) | _names_set_on_others(tree)
-        names |= _module_level_names(tree)
+        names |= _module_level_names(tree) | _attribute_name_constants(tree)
     return frozenset(names)
 
 
@@ -363,13 +431,11 @@ def _node_accesses(
 ) -> Iterator[Access]:
     if isinstance(node, ast.Attribute):
         receiver, name = node.value, node.attr
-    elif isinstance(node, ast.Call) and node.args:
-        string = _string_argument(node)
-        if string is None:
-            return
-        receiver, name = node.args[0], string
     else:
-        return
+        keyed = keyed_access(node)
+        if keyed is None:
+            return
+        receiver, name = keyed
     if not is_private(name):
         return
     if _is_self(receiver) and owner is not None:

@@ -1,13 +1,16 @@
 """One rank of the stage-pipeline test (``torchrun -m tests.pipeline_worker``).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=2 -m
-tests.pipeline_worker OPTIMIZER ORDER FOLDER [LOGINTERVAL]`` takes the structures of
-:func:`images` in ``ORDER`` (input indices, e.g. ``1,0,2``) with the LJ model
-(float64, CPU), runs ``OPTIMIZER(images) | VelocityVerlet(images, ...)``
+tests.pipeline_worker OPTIMIZER ORDER FOLDER [LOGINTERVAL] [kick=I]`` takes the
+structures of :func:`images` in ``ORDER`` (input indices, e.g. ``1,0,2``) with
+the LJ model (float64, CPU), runs ``OPTIMIZER(images) | VelocityVerlet(images, ...)``
 (``optimizer.pipe(md, **PIPE)``) and writes what this rank's ``Atoms`` hold
 afterwards to ``FOLDER/rank{R}.npz``; the test compares it with the
 single-process ``optimizer + md``. With ``LOGINTERVAL`` the pipeline also
 writes ``FOLDER/pipe_{i}.traj`` and ``FOLDER/pipe.log`` (``pipe.rank1.log``).
+With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
+at :data:`KICK` momentum, which moves it further than the failure guard allows
+in its first MD step; the failures go to the npz file too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from ase import units
 PIPE = {"fmax": 0.01, "md_steps": 15}
 #: Velocity Verlet time step, ASE time units.
 TIMESTEP = 2 * units.fs
+#: Momentum of the kicked atom, amu Å / ASE time: ~2.9 Å in one 2 fs step of
+#: argon, over the failure guard's 2 Å per step.
+KICK = 600.0
 
 
 def images(calc, order):
@@ -58,22 +64,41 @@ def main() -> None:
     optimizer = getattr(optimize, sys.argv[1])
     order = [int(index) for index in sys.argv[2].split(",")]
     folder = Path(sys.argv[3])
-    files = {}
-    if len(sys.argv) > 4:
-        files = {
-            "trajectory": str(folder / "pipe_{i}.traj"),
-            "logfile": str(folder / "pipe.log"),
-            "loginterval": int(sys.argv[4]),
-        }
+    files: dict = {}
+    kicked = None
+    for option in sys.argv[4:]:
+        if option.startswith("kick="):
+            kicked = int(option.removeprefix("kick="))
+        else:
+            files = {
+                "trajectory": str(folder / "pipe_{i}.traj"),
+                "logfile": str(folder / "pipe.log"),
+                "loginterval": int(option),
+            }
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     structures = images(calc, order)
+    if kicked is not None:
+        momenta = structures[kicked].get_momenta()
+        momenta[0] = [KICK, 0.0, 0.0]
+        structures[kicked].set_momenta(momenta)
     pipeline = optimizer(structures, logfile=None).pipe(
         md.VelocityVerlet(structures, TIMESTEP), **PIPE, **files
     )
     done = pipeline.run(1000)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
-    np.savez(folder / f"rank{rank}.npz", done=done, nsteps=pipeline.nsteps, **result)
+    failures = np.array(
+        [(f.index, f.step) for f in pipeline.failures], dtype=np.int64
+    ).reshape(-1, 2)
+    reasons = np.array([f.reason for f in pipeline.failures], dtype=str)
+    np.savez(
+        folder / f"rank{rank}.npz",
+        done=done,
+        nsteps=pipeline.nsteps,
+        failures=failures,
+        reasons=reasons,
+        **result,
+    )
 
 
 if __name__ == "__main__":

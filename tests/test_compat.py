@@ -71,12 +71,19 @@ def test_private_attributes_exist_on_live_objects():
     from nvalchemi_ase.models import load_model
 
     composed = load_model("lj", cutoff=4.0) + load_model("lj", cutoff=8.5)
+    from nvalchemi_ase.md import VelocityVerlet
+
+    # a composed model's run: its pipeline hook leaves its sources on the batch
+    composed_run = VelocityVerlet(
+        atoms.copy(), 1.0, model=composed, device="cpu", dtype="float64"
+    )
+    composed_run.run(1)
     live = {
         "BaseDynamics": dyn.engine,
         "NeighborListHook": next(h for h in dyn.engine.hooks if is_neighbor_hook(h)),
         "PipelineModelWrapper": composed,
         "_PipelineNeighborListHook": composed.make_neighbor_hooks()[0],
-        "Batch": dyn.batch,
+        "Batch": composed_run.batch,
     }
     missing = [
         f"{owner}.{name}"
@@ -226,6 +233,9 @@ class Recorder:
         helper_module._ensure_bookkeeping_fields(batch)  # ours: a package module
         network._modules  # torch's
         getattr(batch, "_neighbor_list_cutoff", None)  # flagged
+        batch.__dict__.get("_pipeline_neighbor_sources")  # flagged: instance dict
+        vars(engine)["_forces_primed"]  # flagged
+        self.__dict__.get("_cache")  # ours
         return engine._admission_initialized  # flagged
 """
 
@@ -244,6 +254,8 @@ def test_attribute_scan_flags_nvalchemi_names_and_spares_the_packages(tmp_path):
         ("_sync_state_to_batch", "Engine2"),
         ("_ref_positions", "Skipping"),
         ("_neighbor_list_cutoff", "Recorder"),
+        ("_pipeline_neighbor_sources", "Recorder"),
+        ("_forces_primed", "Recorder"),
         ("_admission_initialized", "Recorder"),
     }
 

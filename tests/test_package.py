@@ -59,7 +59,7 @@ assert sys.excepthook is hook, "excepthook changed"
     assert result.stdout == ""
 
 
-def _imports(path: Path, *, lazy: bool = True) -> set[str]:
+def _imports(path: Path, *, lazy: bool = True, type_checking: bool = True) -> set[str]:
     """Package modules ``path`` imports, in every form.
 
     ``import a.b``, ``from a.b import c`` (``c`` itself when it is a module,
@@ -67,10 +67,17 @@ def _imports(path: Path, *, lazy: bool = True) -> set[str]:
     one of the package's lazy re-exports, ``from nvalchemi_ase import
     relax``), and ``import_quietly("...")`` / ``importlib.import_module("...")``
     strings. With ``lazy=False`` only module-level imports count (not those
-    inside functions or ``if TYPE_CHECKING`` blocks).
+    inside functions or ``if TYPE_CHECKING`` blocks); with
+    ``type_checking=False`` those run at some point (at import or inside a
+    function) count, not those for annotations only (``if TYPE_CHECKING``).
     """
     tree = ast.parse(path.read_text())
-    nodes = ast.walk(tree) if lazy else _module_level(tree)
+    if not lazy:
+        nodes = _module_level(tree)
+    elif not type_checking:
+        nodes = _module_level(tree, functions=True)
+    else:
+        nodes = ast.walk(tree)
     names = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -103,12 +110,17 @@ def _imported_from(module: str, name: str) -> str:
     return module
 
 
-def _module_level(tree: ast.Module):
-    """Nodes run at import time: not inside functions or TYPE_CHECKING blocks."""
+def _module_level(tree: ast.Module, *, functions: bool = False):
+    """Nodes run at import time: not inside functions or TYPE_CHECKING blocks.
+
+    With ``functions=True`` the bodies of functions too (nodes run at some
+    point), still not ``if TYPE_CHECKING`` blocks.
+    """
     pending: list[ast.AST] = list(tree.body)
     while pending:
         node = pending.pop()
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        if function and not functions:
             continue
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             continue
@@ -130,10 +142,10 @@ LAYERS = [
     ("nvalchemi_ase.convert",),
     ("nvalchemi_ase.models", "nvalchemi_ase.calculator", "nvalchemi_ase.identity"),
     ("nvalchemi_ase.dynamics", "nvalchemi_ase.engines"),
+    # optimizer + md, optimizer | md: over the parts' engine protocol, below both
+    ("nvalchemi_ase.compose", "nvalchemi_ase.pipeline"),
     ("nvalchemi_ase.md", "nvalchemi_ase.optimize", "nvalchemi_ase.wrap"),
     (
-        "nvalchemi_ase.compose",
-        "nvalchemi_ase.pipeline",
         "nvalchemi_ase.mep",
         "nvalchemi_ase.properties",
         "nvalchemi_ase.runners",
@@ -143,13 +155,6 @@ LAYERS = [
     ),
     ("nvalchemi_ase.cli", "nvalchemi_ase._ase_plugin", "nvalchemi_ase.__main__"),
 ]
-# Imports that cross a layer boundary upwards on purpose, inside a function.
-DOCUMENTED_LAZY_EDGES = {
-    # optimizer.then(md) / optimizer + md builds the composition above both
-    ("nvalchemi_ase.optimize.optimize", "nvalchemi_ase.compose"),
-    # optimizer.pipe(md) / optimizer | md builds the two-rank pipeline
-    ("nvalchemi_ase.optimize.optimize", "nvalchemi_ase.pipeline"),
-}
 # Siblings in one layer that must not import each other (as in ASE).
 SEPARATE = [("nvalchemi_ase.md", "nvalchemi_ase.optimize")]
 
@@ -176,15 +181,77 @@ def test_no_upward_import_between_layers():
         level = _layer_of(module)
         if level is None:
             continue  # the package __init__ re-exports lazily
-        eager = _imports(path, lazy=False)
         for name in sorted(_imports(path)):
             target = _layer_of(name)
             if target is None or target <= level:
                 continue
-            if (module, name) in DOCUMENTED_LAZY_EDGES and name not in eager:
-                continue
             violations.append(f"{module} imports {name} (a higher layer)")
     assert violations == []
+
+
+def _module_of(name: str) -> str | None:
+    """The package module ``name`` is, or the one it is an attribute of."""
+    modules = _package_modules()
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each package module's imports that run (eager or inside functions).
+
+    ``if TYPE_CHECKING`` imports (annotations only) are left out, and so are
+    the package root's: it imports nothing when it runs (its names resolve
+    lazily), and ``from nvalchemi_ase import X`` already counts as an import of
+    the module defining ``X``.
+    """
+    graph: dict[str, set[str]] = {}
+    for module, path in _package_modules().items():
+        if module == "nvalchemi_ase":
+            graph[module] = set()
+            continue
+        targets = {_module_of(n) for n in _imports(path, type_checking=False)}
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once: a shortest path from a module back to itself."""
+    circles, seen = [], set()
+    for start in sorted(graph):
+        parents: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in parents:
+            following = []
+            for module in frontier:
+                for target in sorted(graph.get(module, ())):
+                    if target not in parents:
+                        parents[target] = module
+                        following.append(target)
+            frontier = following
+        if start not in parents:
+            continue
+        circle, module = [start], parents[start]
+        while module != start:
+            circle.append(module)
+            module = parents[module]
+        circle.reverse()
+        if frozenset(circle) not in seen:
+            seen.add(frozenset(circle))
+            circles.append([start, *circle])
+    return circles
+
+
+def test_no_import_circle_at_all():
+    """No module reaches itself through imports, lazy ones inside functions too."""
+    circles = _import_circles(_import_graph())
+    assert [" -> ".join(c) for c in circles] == []
+
+
+def test_the_circle_test_sees_a_lazy_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _import_circles(graph) == [["a", "b", "c", "a"]]
+    assert _import_circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_layer_test_sees_every_import_form(tmp_path):
@@ -198,6 +265,8 @@ def test_the_layer_test_sees_every_import_form(tmp_path):
         "    from nvalchemi_ase import plotting, relax\n"
         "    importlib.import_module('nvalchemi_ase.md')\n"
         "    import_quietly('nvalchemi_ase.engines.mtk')\n"
+        "if TYPE_CHECKING:\n"
+        "    from nvalchemi_ase.compose import RelaxThenMD\n"
     )
     assert _imports(source) == {
         "nvalchemi_ase.units",
@@ -207,6 +276,10 @@ def test_the_layer_test_sees_every_import_form(tmp_path):
         "nvalchemi_ase.runners",  # a lazy re-export: its defining module
         "nvalchemi_ase.md",
         "nvalchemi_ase.engines.mtk",
+        "nvalchemi_ase.compose",  # for annotations only
+    }
+    assert _imports(source, type_checking=False) == _imports(source) - {
+        "nvalchemi_ase.compose"
     }
     assert _imports(source, lazy=False) == {
         "nvalchemi_ase.units",
@@ -315,3 +388,71 @@ def test_code_is_ruff_clean():
         check=False,
     )
     assert formatted.returncode == 0, formatted.stdout[-3000:]
+
+
+# Drivers that use the run core and the dynamics classes only through their
+# public members (and the engine protocol).
+THIN_CLIENTS = ("runners", "compose.py", "pipeline.py")
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """``x._name`` (and ``getattr(x, "_name")``) on anything but ``self``/``cls``.
+
+    ``super()._name`` is the object itself too; dunders are not private.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            name, owner = node.attr, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and _called_name(node.func) in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            name, owner = node.args[1].value, node.args[0]
+        else:
+            continue
+        if not name.startswith("_") or (name.startswith("__") and name.endswith("__")):
+            continue
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and _called_name(owner.func) == "super":
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_thin_clients_reach_into_no_private_member():
+    """Runners, ``optimizer + md`` and ``optimizer | md`` use public members only.
+
+    They drive ``BatchRun``, ``BatchedDynamics`` and ``BatchedOptimizer``
+    through their public methods; nvalchemi's private members go through
+    ``_compat`` functions.
+    """
+    paths = [PACKAGE / entry for entry in THIN_CLIENTS if entry.endswith(".py")]
+    paths += [
+        path
+        for entry in THIN_CLIENTS
+        if not entry.endswith(".py")
+        for path in sorted((PACKAGE / entry).rglob("*.py"))
+    ]
+    assert len(paths) > len(THIN_CLIENTS)
+    found = [reach for path in paths for reach in _private_reaches(path)]
+    assert found == []
+
+
+def test_the_private_scan_sees_every_form(tmp_path):
+    source = tmp_path / "client.py"
+    source.write_text(
+        "def drive(run, self):\n"
+        "    run._engine.step()\n"
+        "    getattr(run, '_state')\n"
+        "    self._mine, super()._hook(), run.__class__, run.public\n"
+    )
+    found = _private_reaches(source)
+    assert sorted(line.split(": ", 1)[1] for line in found) == [
+        "getattr(run, '_state')",
+        "run._engine",
+    ]

@@ -145,7 +145,7 @@ def test_checkpoint_reads_no_private_member_of_the_dynamics_classes():
 def test_resize_is_refused_where_per_structure_hooks_are_sized_once(lj_calc64):
     from ase.filters import FrechetCellFilter
 
-    from nvalchemi_ase.md import VelocityVerlet
+    from nvalchemi_ase.md import Langevin, VelocityVerlet
 
     def fresh():
         atoms = rattled_bulk(2, seed=4)
@@ -153,11 +153,37 @@ def test_resize_is_refused_where_per_structure_hooks_are_sized_once(lj_calc64):
         return atoms
 
     filtered = optimize.FIRE(FrechetCellFilter(fresh()), logfile=None)
-    md = VelocityVerlet([fresh()], 1.0)
+    # Langevin's per-structure parameters are sized at construction
+    md = Langevin([fresh()], 1.0, temperature_K=10.0, friction=0.01)
     downhill = optimize.FIRE(fresh(), logfile=None, downhill_check=True)
     plain = optimize.FIRE(fresh(), logfile=None)
     assert plain.resizable()
+    assert VelocityVerlet([fresh()], 1.0).resizable()  # NVE keeps no such state
     for dyn in (filtered, md, downhill):
         assert not dyn.resizable()
         with pytest.raises(ValueError, match="create a new object"):
             dyn.resize([0], [fresh()])
+
+
+def test_velocity_verlet_resized_in_place_equals_each_structure_alone(lj_calc64):
+    """Keep one structure mid-run and admit another: each goes on as alone."""
+    from nvalchemi_ase.md import VelocityVerlet
+    from tests.structures import thermalize
+
+    def fresh(seed):
+        atoms = rattled_bulk(2, seed=seed)
+        thermalize(atoms, 30.0, seed=seed)
+        atoms.calc = lj_calc64
+        return atoms
+
+    first, kept, admitted = fresh(1), fresh(2), fresh(3)
+    dyn = VelocityVerlet([first, kept], 2.0)
+    dyn.run(5)
+    dyn.resize([1], [admitted])
+    dyn.run(5)
+    alone_kept, alone_admitted = fresh(2), fresh(3)
+    VelocityVerlet([alone_kept], 2.0).run(10)
+    VelocityVerlet([alone_admitted], 2.0).run(5)
+    for mine, alone in ((kept, alone_kept), (admitted, alone_admitted)):
+        np.testing.assert_array_equal(mine.positions, alone.positions)
+        np.testing.assert_array_equal(mine.get_momenta(), alone.get_momenta())

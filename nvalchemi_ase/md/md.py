@@ -93,6 +93,8 @@ class BatchedMolecularDynamics(BatchedDynamics):
     #: Engine-state field each schedulable target of this class writes (in
     #: subclasses, e.g. ``{"temperature_K": "kT"}``); empty: no schedules.
     _scheduled_fields: ClassVar[dict[str, str]] = {}
+    #: The part it plays in ``optimizer + md`` / ``optimizer | md``.
+    composition_role: ClassVar[str] = "md"
 
     def __init__(
         self,

@@ -37,6 +37,10 @@ class VelocityVerlet(BatchedMolecularDynamics):
     >>> dyn.run(100)
     """
 
+    #: nvalchemi's NVE keeps no per-structure state: ``resize`` admits and
+    #: retires structures in place (``optimizer | md`` relies on it).
+    resizes_in_place = True
+
     def build_engine(self, hooks: list[Any]) -> Any:
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")

@@ -22,6 +22,7 @@ import torch
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.compose import MDPart, RelaxThenMD
 from nvalchemi_ase.dynamics.base import BatchedDynamics
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
@@ -31,6 +32,7 @@ from nvalchemi_ase.optimize.cell_filters import (
     filter_coordinates,
     filter_options,
 )
+from nvalchemi_ase.pipeline import RelaxThenMDPipeline
 from nvalchemi_ase.typing import ImagesLike, LogfileLike, TrajectoryLike
 
 if TYPE_CHECKING:
@@ -76,6 +78,8 @@ class BatchedOptimizer(BatchedDynamics):
     #: FIRE, BFGS, MDMin: ASE's path, in the user's frame) rather than
     #: nvalchemi's variable-cell engines (aligned cells, options as hooks).
     filter_in_engine: ClassVar[bool] = False
+    #: The part it plays in ``optimizer + md`` / ``optimizer | md``.
+    composition_role: ClassVar[str] = "optimizer"
 
     def __init__(
         self,
@@ -276,7 +280,7 @@ class BatchedOptimizer(BatchedDynamics):
 
     def then(
         self,
-        md: Any,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
@@ -284,13 +288,14 @@ class BatchedOptimizer(BatchedDynamics):
         logfile: LogfileLike = None,
         loginterval: int = 1,
         **restart: Any,
-    ) -> Any:
+    ) -> RelaxThenMD:
         """Fuse with an MD object: each structure relaxes to ``fmax``, then runs MD.
 
         Parameters
         ----------
-        md : BatchedMolecularDynamics
-            MD over the same ``Atoms`` objects and model.
+        md : MDPart
+            MD over the same ``Atoms`` objects and model (this package's MD
+            classes, ``nvalchemi_ase.compose.MDPart``).
         fmax : float
             Hand-over threshold on the largest force, eV/Å.
         md_steps : int, optional
@@ -308,8 +313,6 @@ class BatchedOptimizer(BatchedDynamics):
             One run on nvalchemi's ``FusedStage``; ``optimizer + md`` is
             ``optimizer.then(md)``.
         """
-        from nvalchemi_ase.compose import RelaxThenMD
-
         return RelaxThenMD(
             self,
             md,
@@ -321,26 +324,27 @@ class BatchedOptimizer(BatchedDynamics):
             **restart,
         )
 
-    def __add__(self, md: Any) -> Any:
+    def __add__(self, md: MDPart) -> RelaxThenMD:
         """``optimizer + md``: :meth:`then` with its defaults."""
         return self.then(md)
 
     def pipe(
         self,
-        md: Any,
+        md: MDPart,
         *,
         fmax: float = 0.05,
         md_steps: int | None = None,
         trajectory: Any = None,
         logfile: Any = None,
         loginterval: int = 1,
-    ) -> Any:
+    ) -> RelaxThenMDPipeline:
         """Relax on rank 0 and run MD on rank 1 (two ranks started by torchrun).
 
         Parameters
         ----------
-        md : BatchedMolecularDynamics
-            MD over the same ``Atoms`` objects and model.
+        md : MDPart
+            MD over the same ``Atoms`` objects and model (this package's MD
+            classes, ``nvalchemi_ase.compose.MDPart``).
         fmax : float
             Hand-over threshold on the largest force, eV/Å.
         md_steps : int, optional
@@ -353,11 +357,10 @@ class BatchedOptimizer(BatchedDynamics):
         Returns
         -------
         RelaxThenMDPipeline
-            nvalchemi's ``DistributedPipeline`` behind an ASE-style ``run()``;
-            ``optimizer | md`` is ``optimizer.pipe(md)``.
+            This optimizer on rank 0 feeding ``md`` (one batch resized in
+            place) on rank 1, behind an ASE-style ``run()``; ``optimizer | md``
+            is ``optimizer.pipe(md)``.
         """
-        from nvalchemi_ase.pipeline import RelaxThenMDPipeline
-
         return RelaxThenMDPipeline(
             self,
             md,
@@ -368,7 +371,7 @@ class BatchedOptimizer(BatchedDynamics):
             loginterval=loginterval,
         )
 
-    def __or__(self, md: Any) -> Any:
+    def __or__(self, md: MDPart) -> RelaxThenMDPipeline:
         """``optimizer | md``: :meth:`pipe` with its defaults."""
         return self.pipe(md)
 

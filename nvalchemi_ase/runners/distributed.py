@@ -34,7 +34,6 @@ rendezvous, gloo collectives and ``all_gather_object``. A run with one rank (or
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import re
 import sys
@@ -42,6 +41,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from nvalchemi_ase.devices import GROUP_TIMEOUT
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +57,6 @@ __all__ = [
     "shard_path",
     "sharding",
 ]
-
-#: Timeout of a process group the runners start themselves: the end-of-run
-#: barrier waits for the slowest rank.
-GROUP_TIMEOUT = datetime.timedelta(days=7)
 
 
 @dataclass(frozen=True)
