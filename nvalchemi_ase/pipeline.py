@@ -23,8 +23,13 @@ have: failure isolation (a structure that fails on either rank stops, is
 reported in :attr:`RelaxThenMDPipeline.failures` by input index, step and
 reason, and the others go on), their observers and stress on the steps where a
 frame is written. The MD class must resize in place (``md.resizable()``:
-``VelocityVerlet``; the thermostats' per-structure parameters are sized at
-construction).
+``VelocityVerlet`` and the NVT thermostats ``Langevin``, ``Bussi``,
+``NVTBerendsen``, ``NoseHooverChainNVT``, ``Andersen``, without a schedule):
+each admitted structure takes its own per-structure arguments (``temperature_K``
+and the like, as given for it at construction, ``md.parameter_table()``) and
+starts with the thermostat state it would have alone; the stochastic
+thermostats' noise is the MD batch's (its seed and step count, over the
+structures in MD at that step), so it is not the fused run's noise.
 
 The ranks step in lockstep: after each step both exchange what changed (the
 structures rank 0 hands over, with their positions; those that finished or
@@ -52,7 +57,8 @@ step 0; ``nan`` energies while a rank holds no structure). A run stopped by
 ``steps`` before every structure finished, or run with ``md_steps=None``,
 still joins what was written, unpadded.
 
-Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet,
+Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet; NVTBerendsen
+and noiseless Langevin with one temperature per structure;
 ``tests/test_pipeline.py``): every structure is handed to MD after the same
 number of optimizer steps and ends where the fused run ends, to round-off, on
 both ranks, and the trajectories agree frame by frame.
@@ -108,7 +114,8 @@ class RelaxThenMDPipeline:
     md : MDPart
         Runs MD on the same ``Atoms`` objects on rank 1 (same model; must not
         have run; resizable in place, ``md.resizable()``; no trajectory of its
-        own: give ``trajectory=`` here).
+        own: give ``trajectory=`` here). Its per-structure arguments are per
+        input structure, as for ``optimizer + md``.
     fmax : float
         Force threshold, eV/Å, at which a structure is sent to MD (largest
         atomic force norm below fmax, the optimizer's criterion).
@@ -163,9 +170,9 @@ class RelaxThenMDPipeline:
         if not md.resizable():
             raise ValueError(
                 f"optimizer | md admits each structure into the MD batch when it "
-                f"arrives, and {type(md).__name__} cannot resize in place (its "
-                "per-structure parameters are sized at construction); use "
-                "VelocityVerlet, or optimizer + md in one process"
+                f"arrives, and this {type(md).__name__} cannot resize in place "
+                "(it follows a schedule, or its class sizes its per-structure "
+                "state at construction: NPT/NPH); use optimizer + md in one process"
             )
         if md.trajectories:
             raise ValueError(
@@ -179,6 +186,8 @@ class RelaxThenMDPipeline:
         if int(loginterval) < 1:
             raise ValueError(f"loginterval must be >= 1, got {loginterval}")
         self.optimizer, self.md = optimizer, md
+        #: Each structure's MD arguments (temperature_K, ...), input order.
+        self._md_parameters = md.parameter_table()
         self.images = list(md.images)
         self.fmax, self.md_steps = float(fmax), md_steps
         self.loginterval = int(loginterval)
@@ -580,7 +589,13 @@ class _Dynamics:
             self.md.nsteps = nsteps
             keep = np.zeros(0, dtype=np.int64)  # between runs: the batch starts over
             self.rows = self.rows[keep]
-        self.md.resize(keep, [images[index] for index in admitted])
+        parameters = {
+            name: values[admitted]
+            for name, values in self.pipeline._md_parameters.items()
+        }
+        self.md.resize(
+            keep, [images[index] for index in admitted], parameters=parameters
+        )
         self.rows = np.concatenate([self.rows[keep], np.asarray(admitted, np.int64)])
         self.entered[admitted] = nsteps
         if self._run is None:
