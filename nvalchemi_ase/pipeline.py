@@ -63,6 +63,10 @@ and noiseless Langevin with one temperature per structure;
 number of optimizer steps and ends where the fused run ends, to round-off, on
 both ranks, and the trajectories agree frame by frame.
 
+No checkpoints yet: parts given ``restart=`` are refused (each would write
+its own rank's batch, which cannot continue the pipeline); the single-process
+``optimizer + md`` continues a run bit for bit.
+
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
 ``BatchedOptimizer.pipe`` (and ``|``) imports it.
@@ -173,6 +177,18 @@ class RelaxThenMDPipeline:
                 f"arrives, and this {type(md).__name__} cannot resize in place "
                 "(it follows a schedule, or its class sizes its per-structure "
                 "state at construction: NPT/NPH); use optimizer + md in one process"
+            )
+        with_restart = [
+            type(part).__name__
+            for part in (optimizer, md)
+            if getattr(part, "restart", None) is not None
+        ]
+        if with_restart:
+            raise ValueError(
+                f"optimizer | md has no checkpoints yet, and {with_restart[0]} was "
+                "given restart=: its own checkpoint of one rank's batch could not "
+                "continue the pipeline; create the parts without restart=, or use "
+                "optimizer + md (restart=) in one process"
             )
         if md.trajectories:
             raise ValueError(

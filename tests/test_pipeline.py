@@ -259,6 +259,10 @@ def test_the_pipeline_checks_its_parts(lj_calc64):
         relax | relax
     with pytest.raises(ValueError, match="md_steps must be >= 1"):
         relax.pipe(integrate, md_steps=0)
+    with pytest.raises(ValueError, match="no checkpoints yet, and FIRE2 was given"):
+        optimize.FIRE2(structures, logfile=None, restart="never-written.npz") | (
+            integrate
+        )
     structures[0].set_constraint(FixAtoms([0]))
     with pytest.raises(ValueError, match=r"ASE constraints \(structures \[0\]"):
         optimize.FIRE2(structures, logfile=None) | md.VelocityVerlet(
