@@ -156,6 +156,10 @@ class RelaxThenMDPipeline:
         good state, and the others go on.
     nsteps : int
         Steps run (each is one step of each rank).
+    md_parameters : dict of str to numpy.ndarray, shape (B,)
+        The MD object's per-structure arguments (``temperature_K``, ...) as
+        given at construction, input order (``md.parameter_table()``); each
+        structure enters the MD batch with its own.
     """
 
     def __init__(
@@ -202,8 +206,7 @@ class RelaxThenMDPipeline:
         if int(loginterval) < 1:
             raise ValueError(f"loginterval must be >= 1, got {loginterval}")
         self.optimizer, self.md = optimizer, md
-        #: Each structure's MD arguments (temperature_K, ...), input order.
-        self._md_parameters = md.parameter_table()
+        self.md_parameters = md.parameter_table()
         self.images = list(md.images)
         self.fmax, self.md_steps = float(fmax), md_steps
         self.loginterval = int(loginterval)
@@ -607,7 +610,7 @@ class _Dynamics:
             self.rows = self.rows[keep]
         parameters = {
             name: values[admitted]
-            for name, values in self.pipeline._md_parameters.items()
+            for name, values in self.pipeline.md_parameters.items()
         }
         self.md.resize(
             keep, [images[index] for index in admitted], parameters=parameters
