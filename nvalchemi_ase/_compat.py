@@ -37,6 +37,7 @@ __all__ = [
     "PRIVATE_MEMBERS",
     "SUBCLASS_HOOKS",
     "PrivateMember",
+    "admit_engine_state",
     "carry_engine_state",
     "close_hooks",
     "eager_call",
@@ -694,3 +695,32 @@ def carry_engine_state(
     old._sync_state_to_batch(remaining, n_new, template_batch)
     if hasattr(old, "_state"):
         new._state = old._state
+
+
+def admit_engine_state(
+    engine: BaseDynamics,
+    remaining: torch.Tensor,
+    n_new: int,
+    template_batch: Batch,
+    fresh: BaseDynamics,
+) -> None:
+    """Keep ``engine``'s state rows ``remaining`` and append ``fresh``'s for arrivals.
+
+    ``fresh`` is an engine of the same class built with the per-structure
+    parameters of every structure of ``template_batch`` (the kept ones, in
+    order, then ``n_new`` arrivals); its ``_init_state(template_batch)`` gives
+    each arrival the state it would start with alone (for ``NVTNoseHoover``
+    its own chain masses and degrees of freedom, which ``_make_new_state``
+    only approximates). An ``engine`` that never built state takes all of
+    ``fresh``'s rows.
+    """
+    fresh._init_state(template_batch)
+    rows = fresh._state
+    if hasattr(engine, "_state") and remaining.numel():
+        kept = engine._state.index_select(remaining)
+        if n_new:
+            first = template_batch.num_graphs - n_new
+            arrivals = remaining.new_tensor(range(first, template_batch.num_graphs))
+            kept.append(rows.index_select(arrivals))
+        rows = kept
+    engine._state = rows

@@ -127,10 +127,18 @@ class MDPart(_Part, Protocol):
     def irun(self, steps: int = 50, *, sync_atoms: bool = True) -> Iterator[bool]:
         """Run MD as a generator (ASE's ``MolecularDynamics.irun``)."""
 
+    def parameter_table(self) -> dict[str, npt.NDArray[np.float64]]:
+        """Per-structure arguments (``temperature_K``, ...), one value each."""
+
     def resize(
-        self, keep: Any, images: list[Any], *, trajectories: list[Any] | None = None
+        self,
+        keep: Any,
+        images: list[Any],
+        *,
+        trajectories: list[Any] | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> None:
-        """Keep the structures ``keep`` and append ``images``, in place."""
+        """Keep ``keep``, append ``images`` (with their ``parameters``), in place."""
 
 
 class RelaxThenMD(BatchedDynamics):

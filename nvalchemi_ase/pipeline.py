@@ -23,8 +23,13 @@ have: failure isolation (a structure that fails on either rank stops, is
 reported in :attr:`RelaxThenMDPipeline.failures` by input index, step and
 reason, and the others go on), their observers and stress on the steps where a
 frame is written. The MD class must resize in place (``md.resizable()``:
-``VelocityVerlet``; the thermostats' per-structure parameters are sized at
-construction).
+``VelocityVerlet`` and the NVT thermostats ``Langevin``, ``Bussi``,
+``NVTBerendsen``, ``NoseHooverChainNVT``, ``Andersen``, without a schedule):
+each admitted structure takes its own per-structure arguments (``temperature_K``
+and the like, as given for it at construction, ``md.parameter_table()``) and
+starts with the thermostat state it would have alone; the stochastic
+thermostats' noise is the MD batch's (its seed and step count, over the
+structures in MD at that step), so it is not the fused run's noise.
 
 The ranks step in lockstep: after each step both exchange what changed (the
 structures rank 0 hands over, with their positions; those that finished or
@@ -52,10 +57,15 @@ step 0; ``nan`` energies while a rank holds no structure). A run stopped by
 ``steps`` before every structure finished, or run with ``md_steps=None``,
 still joins what was written, unpadded.
 
-Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet,
+Agreement with ``optimizer + md`` (float64, LJ, velocity Verlet; NVTBerendsen
+and noiseless Langevin with one temperature per structure;
 ``tests/test_pipeline.py``): every structure is handed to MD after the same
 number of optimizer steps and ends where the fused run ends, to round-off, on
 both ranks, and the trajectories agree frame by frame.
+
+No checkpoints yet: parts given ``restart=`` are refused (each would write
+its own rank's batch, which cannot continue the pipeline); the single-process
+``optimizer + md`` continues a run bit for bit.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
@@ -108,7 +118,8 @@ class RelaxThenMDPipeline:
     md : MDPart
         Runs MD on the same ``Atoms`` objects on rank 1 (same model; must not
         have run; resizable in place, ``md.resizable()``; no trajectory of its
-        own: give ``trajectory=`` here).
+        own: give ``trajectory=`` here). Its per-structure arguments are per
+        input structure, as for ``optimizer + md``.
     fmax : float
         Force threshold, eV/Å, at which a structure is sent to MD (largest
         atomic force norm below fmax, the optimizer's criterion).
@@ -145,6 +156,10 @@ class RelaxThenMDPipeline:
         good state, and the others go on.
     nsteps : int
         Steps run (each is one step of each rank).
+    md_parameters : dict of str to numpy.ndarray, shape (B,)
+        The MD object's per-structure arguments (``temperature_K``, ...) as
+        given at construction, input order (``md.parameter_table()``); each
+        structure enters the MD batch with its own.
     """
 
     def __init__(
@@ -163,9 +178,21 @@ class RelaxThenMDPipeline:
         if not md.resizable():
             raise ValueError(
                 f"optimizer | md admits each structure into the MD batch when it "
-                f"arrives, and {type(md).__name__} cannot resize in place (its "
-                "per-structure parameters are sized at construction); use "
-                "VelocityVerlet, or optimizer + md in one process"
+                f"arrives, and this {type(md).__name__} cannot resize in place "
+                "(it follows a schedule, or its class sizes its per-structure "
+                "state at construction: NPT/NPH); use optimizer + md in one process"
+            )
+        with_restart = [
+            type(part).__name__
+            for part in (optimizer, md)
+            if getattr(part, "restart", None) is not None
+        ]
+        if with_restart:
+            raise ValueError(
+                f"optimizer | md has no checkpoints yet, and {with_restart[0]} was "
+                "given restart=: its own checkpoint of one rank's batch could not "
+                "continue the pipeline; create the parts without restart=, or use "
+                "optimizer + md (restart=) in one process"
             )
         if md.trajectories:
             raise ValueError(
@@ -179,6 +206,7 @@ class RelaxThenMDPipeline:
         if int(loginterval) < 1:
             raise ValueError(f"loginterval must be >= 1, got {loginterval}")
         self.optimizer, self.md = optimizer, md
+        self.md_parameters = md.parameter_table()
         self.images = list(md.images)
         self.fmax, self.md_steps = float(fmax), md_steps
         self.loginterval = int(loginterval)
@@ -580,7 +608,13 @@ class _Dynamics:
             self.md.nsteps = nsteps
             keep = np.zeros(0, dtype=np.int64)  # between runs: the batch starts over
             self.rows = self.rows[keep]
-        self.md.resize(keep, [images[index] for index in admitted])
+        parameters = {
+            name: values[admitted]
+            for name, values in self.pipeline.md_parameters.items()
+        }
+        self.md.resize(
+            keep, [images[index] for index in admitted], parameters=parameters
+        )
         self.rows = np.concatenate([self.rows[keep], np.asarray(admitted, np.int64)])
         self.entered[admitted] = nsteps
         if self._run is None:

@@ -10,7 +10,8 @@ single-process ``optimizer + md``. With ``LOGINTERVAL`` the pipeline also
 writes ``FOLDER/pipe_{i}.traj`` and ``FOLDER/pipe.log`` (``pipe.rank1.log``).
 With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
 at :data:`KICK` momentum, which moves it further than the failure guard allows
-in its first MD step; the failures go to the npz file too.
+in its first MD step; the failures go to the npz file too. With ``md=NAME``
+the MD stage is :func:`integrator`'s ``NAME`` instead of velocity Verlet.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ase import units
 PIPE = {"fmax": 0.01, "md_steps": 15}
 #: Velocity Verlet time step, ASE time units.
 TIMESTEP = 2 * units.fs
+#: Thermostat targets of the structures by position in ORDER, K (one each).
+THERMOSTAT_K = [10.0, 40.0, 80.0]
 #: Momentum of the kicked atom, amu Å / ASE time: ~2.9 Å in one 2 fs step of
 #: argon, over the failure guard's 2 Å per step.
 KICK = 600.0
@@ -46,6 +49,32 @@ def images(calc, order):
     return [structures[index] for index in order]
 
 
+def integrator(name, structures, targets=None):
+    """The MD stage ``name`` over ``structures``: deterministic, one target each.
+
+    ``Langevin`` runs without friction (no noise: the pipeline's MD batch and
+    the fused run's draw different noise), with one temperature per
+    structure still handed over; ``NVTBerendsen`` couples each structure to
+    its own temperature within a few steps (taut 10 fs). ``targets``: other
+    temperatures (K, one per structure) than :data:`THERMOSTAT_K`.
+    """
+    from nvalchemi_ase import md
+
+    if targets is None:
+        targets = THERMOSTAT_K[: len(structures)]
+    if name == "VelocityVerlet":
+        return md.VelocityVerlet(structures, TIMESTEP)
+    if name == "Langevin":
+        return md.Langevin(
+            structures, TIMESTEP, temperature_K=targets, friction=0.0, seed=7
+        )
+    if name == "NVTBerendsen":
+        return md.NVTBerendsen(
+            structures, TIMESTEP, temperature_K=targets, taut=10 * units.fs
+        )
+    raise ValueError(f"no MD stage {name!r} here")
+
+
 def state(structures, stage, relax_steps) -> dict[str, np.ndarray]:
     """What the test compares, as flat arrays (atoms of all structures stacked)."""
     return {
@@ -59,16 +88,19 @@ def state(structures, stage, relax_steps) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
-    from nvalchemi_ase import NVAlchemiCalculator, md, optimize
+    from nvalchemi_ase import NVAlchemiCalculator, optimize
 
     optimizer = getattr(optimize, sys.argv[1])
     order = [int(index) for index in sys.argv[2].split(",")]
     folder = Path(sys.argv[3])
     files: dict = {}
     kicked = None
+    stage = "VelocityVerlet"
     for option in sys.argv[4:]:
         if option.startswith("kick="):
             kicked = int(option.removeprefix("kick="))
+        elif option.startswith("md="):
+            stage = option.removeprefix("md=")
         else:
             files = {
                 "trajectory": str(folder / "pipe_{i}.traj"),
@@ -82,7 +114,7 @@ def main() -> None:
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
     pipeline = optimizer(structures, logfile=None).pipe(
-        md.VelocityVerlet(structures, TIMESTEP), **PIPE, **files
+        integrator(stage, structures), **PIPE, **files
     )
     done = pipeline.run(1000)
     rank = os.environ.get("RANK", "0")

@@ -19,7 +19,14 @@ from nvalchemi_ase import NVAlchemiCalculator, md, optimize
 from nvalchemi_ase.compose import FINISHED
 from nvalchemi_ase.pipeline import RelaxThenMDPipeline
 from tests.helpers import torchrun
-from tests.pipeline_worker import PIPE, TIMESTEP, images, state
+from tests.pipeline_worker import (
+    PIPE,
+    THERMOSTAT_K,
+    TIMESTEP,
+    images,
+    integrator,
+    state,
+)
 
 # float64, each structure's forces independent of the batch it is in: the
 # pipeline and the fused run agree to round-off.
@@ -33,12 +40,18 @@ STRESS_ATOL = 1e-10  # eV/Å³
 ORDER = [1, 0, 2]
 
 
-def _fused(optimizer: str, order: list[int], **files: Any) -> dict[str, np.ndarray]:
+def _fused(
+    optimizer: str,
+    order: list[int],
+    stage: str = "VelocityVerlet",
+    targets: list[float] | None = None,
+    **files: Any,
+) -> dict[str, np.ndarray]:
     """The single-process ``optimizer + md``, with each structure's hand-over step."""
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     structures = images(calc, order)
     fused = getattr(optimize, optimizer)(structures, logfile=None).then(
-        md.VelocityVerlet(structures, TIMESTEP), **PIPE, **files
+        integrator(stage, structures, targets), **PIPE, **files
     )
     history = []
     fused.attach(lambda: history.append(fused.stage.copy()))
@@ -143,6 +156,27 @@ def _assert_same_frames(got: list, expected: list, *, stress: bool) -> None:
             )
 
 
+@pytest.mark.slow  # two ranks started by torchrun
+@pytest.mark.parametrize("stage", ["Langevin", "NVTBerendsen"])
+def test_a_thermostat_stage_takes_each_structures_own_target(stage, tmp_path):
+    """``FIRE | Langevin`` (no friction) and ``FIRE | NVTBerendsen``, one target
+    temperature per structure: each structure is admitted into rank 1's batch
+    with its own target and ends where the fused run ends (Berendsen's path
+    depends on the target, so a target given to the wrong structure fails)."""
+    expected = _fused("FIRE", ORDER, stage)
+    ranks = _pipelined("FIRE", ORDER, tmp_path, options=(f"md={stage}",))
+    for got in ranks:
+        assert bool(got["done"])
+        assert got["stage"].tolist() == [FINISHED] * 3
+        assert got["relax_steps"].tolist() == expected["relax_steps"].tolist()
+        _assert_same(got, expected)
+    if stage == "NVTBerendsen":  # the targets matter: swapped, the run differs
+        swapped = _fused("FIRE", ORDER, stage, targets=THERMOSTAT_K[::-1])
+        assert np.abs(swapped["momenta"] - ranks[1]["momenta"]).max() > 100 * (
+            MOMENTUM_ATOL
+        )
+
+
 def _per_structure(result: dict, sizes: list[int]) -> list[dict]:
     """Split a :func:`~tests.pipeline_worker.state` into one dict per structure."""
     ends = np.cumsum(sizes)
@@ -225,6 +259,10 @@ def test_the_pipeline_checks_its_parts(lj_calc64):
         relax | relax
     with pytest.raises(ValueError, match="md_steps must be >= 1"):
         relax.pipe(integrate, md_steps=0)
+    with pytest.raises(ValueError, match="no checkpoints yet, and FIRE2 was given"):
+        optimize.FIRE2(structures, logfile=None, restart="never-written.npz") | (
+            integrate
+        )
     structures[0].set_constraint(FixAtoms([0]))
     with pytest.raises(ValueError, match=r"ASE constraints \(structures \[0\]"):
         optimize.FIRE2(structures, logfile=None) | md.VelocityVerlet(
@@ -255,9 +293,11 @@ def test_the_pipeline_checks_its_files(lj_calc64, tmp_path):
 
 def test_the_pipeline_needs_an_md_batch_that_resizes_in_place(lj_calc64, tmp_path):
     structures, relax, _ = _parts(lj_calc64)
-    thermostat = md.Langevin(structures, TIMESTEP, temperature_K=30.0, friction=0.01)
-    with pytest.raises(ValueError, match="Langevin cannot resize in place"):
-        relax | thermostat
+    scheduled = md.Langevin(
+        structures, TIMESTEP, temperature_K=[(0, 30.0), (50, 60.0)], friction=0.01
+    )
+    with pytest.raises(ValueError, match="this Langevin cannot resize in place"):
+        relax | scheduled
     with_file = md.VelocityVerlet(
         structures, TIMESTEP, trajectory=str(tmp_path / "own_{i}.traj")
     )

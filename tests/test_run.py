@@ -153,12 +153,13 @@ def test_resize_is_refused_where_per_structure_hooks_are_sized_once(lj_calc64):
         return atoms
 
     filtered = optimize.FIRE(FrechetCellFilter(fresh()), logfile=None)
-    # Langevin's per-structure parameters are sized at construction
-    md = Langevin([fresh()], 1.0, temperature_K=10.0, friction=0.01)
+    # a schedule follows this object's step count, not an admitted structure's
+    md = Langevin([fresh()], 1.0, temperature_K=[(0, 10.0), (10, 20.0)], friction=0.01)
     downhill = optimize.FIRE(fresh(), logfile=None, downhill_check=True)
     plain = optimize.FIRE(fresh(), logfile=None)
     assert plain.resizable()
     assert VelocityVerlet([fresh()], 1.0).resizable()  # NVE keeps no such state
+    assert Langevin([fresh()], 1.0, temperature_K=10.0, friction=0.01).resizable()
     for dyn in (filtered, md, downhill):
         assert not dyn.resizable()
         with pytest.raises(ValueError, match="create a new object"):
@@ -187,3 +188,142 @@ def test_velocity_verlet_resized_in_place_equals_each_structure_alone(lj_calc64)
     for mine, alone in ((kept, alone_kept), (admitted, alone_admitted)):
         np.testing.assert_array_equal(mine.positions, alone.positions)
         np.testing.assert_array_equal(mine.get_momenta(), alone.get_momenta())
+
+
+def _thermostats():
+    """Each resizable NVT class, deterministic here, with per-structure arguments.
+
+    Per class: constructor, its per-structure arguments for ``[first, kept]``
+    and for the admitted structure, and fixed arguments. The stochastic ones
+    run without noise (Langevin friction 0; Bussi and Andersen at 0 K, whose
+    noise is then multiplied by zero), so their paths can be compared with
+    each structure alone; their parameters still differ per structure.
+    """
+    from ase import units
+
+    from nvalchemi_ase.md import (
+        Andersen,
+        Bussi,
+        Langevin,
+        NoseHooverChainNVT,
+        NVTBerendsen,
+    )
+
+    fs = units.fs
+    return {
+        "NVTBerendsen": (
+            NVTBerendsen,
+            {"temperature_K": [100.0, 300.0], "taut": [50 * fs, 100 * fs]},
+            {"temperature_K": 500.0, "taut": 80 * fs},
+            {},
+        ),
+        "NoseHooverChainNVT": (
+            NoseHooverChainNVT,
+            {"temperature_K": [100.0, 300.0], "tdamp": [40 * fs, 90 * fs]},
+            {"temperature_K": 200.0, "tdamp": 60 * fs},
+            {},
+        ),
+        "Bussi": (
+            Bussi,
+            {"temperature_K": 0.0, "taut": [50 * fs, 100 * fs]},
+            {"taut": 80 * fs},
+            {"seed": 3},
+        ),
+        "Langevin": (
+            Langevin,
+            {"temperature_K": [100.0, 300.0], "friction": 0.0},
+            {"temperature_K": 500.0},
+            {"seed": 3},
+        ),
+        "Andersen": (
+            Andersen,
+            {"temperature_K": 0.0, "andersen_prob": [0.0, 0.0]},
+            {"andersen_prob": 0.0},
+            {"seed": 3},
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["NVTBerendsen", "NoseHooverChainNVT", "Bussi", "Langevin", "Andersen"]
+)
+def test_thermostat_resized_in_place_equals_each_structure_alone(lj_calc64, name):
+    """Keep one structure mid-run and admit another with its own parameters.
+
+    Positions, momenta and every engine-state row (parameters, chain state,
+    transferred energy) of each equal that structure's run alone.
+    """
+    from nvalchemi_ase._compat import engine_state
+    from tests.structures import thermalize
+
+    cls, given, admitted_given, fixed = _thermostats()[name]
+
+    def fresh(seed, size=2):
+        atoms = rattled_bulk(size, seed=seed)
+        thermalize(atoms, 200.0, seed=seed)
+        atoms.calc = lj_calc64
+        return atoms
+
+    def row(values, index):
+        array = np.asarray(values, dtype=np.float64)
+        return float(array) if array.ndim == 0 else float(array[index])
+
+    first, kept, admitted = fresh(1), fresh(2), fresh(3, size=3)
+    dyn = cls([first, kept], 2 * 0.5, **given, **fixed)
+    dyn.run(5)
+    dyn.resize([1], [admitted], parameters=admitted_given)
+    dyn.run(5)
+    alone_kept, alone_admitted = fresh(2), fresh(3, size=3)
+    solo_kept = cls(
+        [alone_kept], 1.0, **{k: row(v, 1) for k, v in given.items()}, **fixed
+    )
+    solo_kept.run(10)
+    solo_admitted = cls(
+        [alone_admitted],
+        1.0,
+        **({k: row(v, 0) for k, v in given.items()} | admitted_given),
+        **fixed,
+    )
+    solo_admitted.run(5)
+    for mine, alone in ((kept, alone_kept), (admitted, alone_admitted)):
+        np.testing.assert_array_equal(mine.positions, alone.positions)
+        np.testing.assert_array_equal(mine.get_momenta(), alone.get_momenta())
+    state = engine_state(dyn.engine)
+    for position, solo in enumerate((solo_kept, solo_admitted)):
+        alone_state = engine_state(solo.engine)
+        for key, value in alone_state:
+            np.testing.assert_array_equal(
+                getattr(state, key)[position].cpu().numpy(),
+                value[0].cpu().numpy(),
+                err_msg=f"engine state {key!r} of structure {position}",
+            )
+    for key in given:
+        expected = [row(given[key], 1), row(admitted_given.get(key, given[key]), 0)]
+        np.testing.assert_array_equal(dyn.parameter_table()[key], expected)
+
+
+def test_thermostat_resize_refuses_missing_or_bad_parameters_and_changes_nothing(
+    lj_calc64,
+):
+    from nvalchemi_ase.md import Langevin
+
+    def fresh(seed):
+        atoms = rattled_bulk(2, seed=seed)
+        atoms.calc = lj_calc64
+        return atoms
+
+    dyn = Langevin([fresh(1), fresh(2)], 1.0, temperature_K=[10.0, 20.0], friction=0.01)
+    dyn.run(2)
+    with pytest.raises(ValueError, match="one value per structure: give parameters"):
+        dyn.resize([1], [fresh(3)])
+    with pytest.raises(ValueError, match=r"temperature_K for images\[1\] is -5.0"):
+        dyn.resize([1], [fresh(3)], parameters={"temperature_K": -5.0})
+    with pytest.raises(ValueError, match="not per-structure arguments"):
+        dyn.resize([1], [fresh(3)], parameters={"temperature_K": 5.0, "taut": 1.0})
+    assert len(dyn.images) == 2
+    assert dyn.batch.num_graphs == 2
+    np.testing.assert_array_equal(dyn.parameter_table()["temperature_K"], [10.0, 20.0])
+    dyn.resize([1], [fresh(3)], parameters={"temperature_K": 30.0})
+    np.testing.assert_array_equal(dyn.parameter_table()["temperature_K"], [20.0, 30.0])
+    np.testing.assert_array_equal(dyn.parameter_table()["friction"], [0.01, 0.01])
+    assert dyn.run(2)

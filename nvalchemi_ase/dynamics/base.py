@@ -499,7 +499,8 @@ class BatchedDynamics(AseBaseDynamics):
         or with one log file per structure: their per-structure hooks and
         files are sized at construction; and only for classes whose engine
         keeps all its per-structure state in nvalchemi's resizable state
-        (``resizes_in_place``: the optimizers).
+        (``resizes_in_place``: the optimizers, velocity Verlet and the NVT
+        thermostats, whose per-structure arguments follow the structures).
         """
         return (
             self.resizes_in_place
@@ -577,9 +578,20 @@ class BatchedDynamics(AseBaseDynamics):
             self._cell_at_write.index_select(0, rows),
         )
         fresh = self._batch_of(arrivals) if arrivals else None
-        self.batch_run.resize(kept, fresh)
+        self.batch_run.resize(kept, fresh, fresh_engine=self._engine_for_resize())
         self._resize_mirror(kept, arrivals, at_write, trajectories or [])
         self._prime_admitted(len(kept))
+
+    def _engine_for_resize(self) -> Any:
+        """Engine whose initial state gives the admitted structures' rows (or None).
+
+        None: the engine makes them itself (the optimizers and velocity
+        Verlet, whose per-structure state does not depend on per-structure
+        arguments). The MD classes with per-structure parameters build one
+        for the resized batch (see
+        :meth:`~nvalchemi_ase.md.md.BatchedMolecularDynamics.resize`).
+        """
+        return None
 
     def _resize_mirror(
         self,

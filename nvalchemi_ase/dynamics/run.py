@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from nvalchemi_ase._compat import carry_engine_state, engine_state
+from nvalchemi_ase._compat import admit_engine_state, carry_engine_state, engine_state
 from nvalchemi_ase.dynamics.checkpoint import (
     BATCH_FIELDS,
     RESULT_FIELDS,
@@ -186,7 +186,13 @@ class BatchRun:
                 previous.batch.velocities.index_select(0, rows)
             )
 
-    def resize(self, keep: npt.NDArray[np.intp], arrivals: Batch | None) -> None:
+    def resize(
+        self,
+        keep: npt.NDArray[np.intp],
+        arrivals: Batch | None,
+        *,
+        fresh_engine: BaseDynamics | None = None,
+    ) -> None:
         """Keep the structures ``keep`` (in order) and append ``arrivals``, in place.
 
         The engine stays: its per-structure state keeps the kept structures'
@@ -205,6 +211,13 @@ class BatchRun:
         arrivals : Batch, optional
             The admitted structures (same device, dtype and fields), after
             them.
+        fresh_engine : BaseDynamics, optional
+            An engine of the same class built with the per-structure
+            parameters of the resized batch (kept structures, then arrivals):
+            the arrivals' state rows are its initial state, as each would
+            start alone (the thermostats, whose engines size their parameters
+            at construction). Without it the engine makes the new rows itself
+            (``_make_new_state``, from its construction parameters).
         """
         old = self.batch
         device = old.device
@@ -221,7 +234,10 @@ class BatchRun:
             new.append(part, missing_fields="fill")
         n_new = 0 if arrivals is None else int(arrivals.num_graphs)
         self._carry_neighbor_lists_in_place(old, kept, new)
-        carry_engine_state(self.engine, self.engine, kept, n_new, new)
+        if fresh_engine is None:
+            carry_engine_state(self.engine, self.engine, kept, n_new, new)
+        else:
+            admit_engine_state(self.engine, kept, n_new, new, fresh_engine)
         self.guard.resize(kept, new)
         self.batch = new
         assert self.driver is not None  # noqa: S101 - attach_engine came first

@@ -63,6 +63,11 @@ class Andersen(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    #: Per-structure arguments and thermostat state follow ``resize`` (the
+    #: admitted structures' state as each would start alone).
+    resizes_in_place = True
+    structure_parameters: ClassVar[tuple[str, ...]] = ("temperature_K", "andersen_prob")
+
     _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(

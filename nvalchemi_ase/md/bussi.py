@@ -53,6 +53,11 @@ class Bussi(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    #: Per-structure arguments and thermostat state follow ``resize`` (the
+    #: admitted structures' state as each would start alone).
+    resizes_in_place = True
+    structure_parameters: ClassVar[tuple[str, ...]] = ("temperature_K", "taut")
+
     _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(
@@ -111,7 +116,10 @@ class Bussi(BatchedMolecularDynamics):
     def _check_inputs(self) -> None:
         self._per_structure("temperature_K", self.temperature_K)
         self._per_structure("taut", self.taut, strict=True)
-        for index, atoms in enumerate(self.images):
+        self._check_admitted(self.images)
+
+    def _check_admitted(self, images: list[Any]) -> None:
+        for index, atoms in enumerate(images):
             if np.isclose(atoms.get_kinetic_energy(), 0.0, rtol=0.0, atol=1e-12):
                 raise ValueError(
                     f"images[{index}] has zero kinetic energy; Bussi rescales "

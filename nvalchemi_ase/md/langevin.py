@@ -64,6 +64,11 @@ class Langevin(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    #: Per-structure arguments and thermostat state follow ``resize`` (the
+    #: admitted structures' state as each would start alone).
+    resizes_in_place = True
+    structure_parameters: ClassVar[tuple[str, ...]] = ("temperature_K", "friction")
+
     _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "temperature"}
 
     def __init__(

@@ -95,6 +95,12 @@ class BatchedMolecularDynamics(BatchedDynamics):
     _scheduled_fields: ClassVar[dict[str, str]] = {}
     #: The part it plays in ``optimizer + md`` / ``optimizer | md``.
     composition_role: ClassVar[str] = "md"
+    #: Arguments (attribute names) given as one value or one per structure,
+    #: which :meth:`resize` carries for the kept structures and takes for the
+    #: admitted ones (``parameters=``).
+    structure_parameters: ClassVar[tuple[str, ...]] = ()
+    #: While :meth:`resize` builds the resized batch's engine: its size.
+    _sizing: int | None = None
 
     def __init__(
         self,
@@ -210,6 +216,144 @@ class BatchedMolecularDynamics(BatchedDynamics):
         Called after every step, before the observers, as ASE's ``irun`` does;
         subclasses may override it.
         """
+
+    # -- resizing in place ------------------------------------------------------
+
+    def resizable(self) -> bool:
+        """Whether :meth:`resize` can change this object's structures in place.
+
+        As :meth:`BatchedDynamics.resizable
+        <nvalchemi_ase.dynamics.base.BatchedDynamics.resizable>`, and no
+        target follows a schedule (a schedule is a function of this object's
+        step count, which an admitted structure did not start at).
+        """
+        return super().resizable() and not self.schedules
+
+    def parameter_table(self) -> dict[str, npt.NDArray[np.float64]]:
+        """Return the per-structure arguments, one value per structure each.
+
+        Returns
+        -------
+        dict of str to numpy.ndarray, shape (B,)
+            For each name of :attr:`structure_parameters`, its value for each
+            structure in :attr:`images` order (in the argument's own ASE unit;
+            a scalar argument broadcast).
+        """
+        count = len(self.images)
+        return {
+            name: np.broadcast_to(
+                np.asarray(getattr(self, name), dtype=np.float64), (count,)
+            ).copy()
+            for name in self.structure_parameters
+        }
+
+    def resize(
+        self,
+        keep: npt.ArrayLike,
+        images: list[Any],
+        *,
+        trajectories: list[Any] | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> None:
+        """Keep the structures ``keep`` and append ``images``, in place.
+
+        As :meth:`BatchedDynamics.resize
+        <nvalchemi_ase.dynamics.base.BatchedDynamics.resize>`; here the
+        per-structure arguments (:attr:`structure_parameters`, e.g.
+        ``temperature_K`` and ``friction``) follow too: the kept structures
+        keep theirs, and the thermostat state (chain positions and momenta,
+        transferred energy, ...) they carry; the admitted ones take
+        ``parameters`` (or the common value, for an argument given as one)
+        and start with the engine state each would have alone. The random
+        streams of the stochastic thermostats are the engine's (its seed and
+        step count, over the batch as it is), so they are reproducible for
+        the same seed and the same sequence of resizes, not equal to each
+        structure's run alone.
+
+        Parameters
+        ----------
+        keep : array of int
+            Indices into :attr:`images` of the structures that stay.
+        images : list of ase.Atoms
+            The structures to admit.
+        trajectories : list of path or Trajectory, optional
+            One per admitted structure; required when this object writes
+            trajectories.
+        parameters : dict, optional
+            Per-structure arguments of the admitted structures, by name (one
+            value, or one per admitted structure, in the argument's unit);
+            required for an argument that was given one value per structure.
+
+        Raises
+        ------
+        ValueError
+            If this object is not :meth:`resizable`, a parameter is missing,
+            unknown or out of range, or an admitted structure cannot be run
+            (named by its position in ``images``); nothing is changed then.
+        """
+        if not self.resizable():
+            super().resize(keep, images, trajectories=trajectories)  # raises
+        kept = np.asarray(keep, dtype=np.intp).reshape(-1)
+        values = self._resized_parameters(kept, len(images), parameters or {})
+        previous = {name: getattr(self, name) for name in values}
+        self._sizing = len(kept) + len(images)
+        try:
+            for name, value in values.items():
+                setattr(self, name, value)
+            self._check_admitted(images)
+            self._fresh_engine = self.build_engine([]) if values else None
+            super().resize(kept, images, trajectories=trajectories)
+        except Exception:
+            for name, value in previous.items():
+                setattr(self, name, value)
+            raise
+        finally:
+            self._sizing = None
+            self._fresh_engine = None
+
+    def _engine_for_resize(self) -> Any:
+        return getattr(self, "_fresh_engine", None)
+
+    def _check_admitted(self, images: list[Any]) -> None:
+        """Check structures about to be admitted, as the constructor does."""
+
+    def _resized_parameters(
+        self, kept: npt.NDArray[np.intp], count: int, given: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Return each per-structure argument for the kept, then admitted, ones."""
+        unknown = sorted(set(given) - set(self.structure_parameters))
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}.resize: parameters {unknown} are not "
+                f"per-structure arguments of this class {self.structure_parameters}"
+            )
+        values: dict[str, Any] = {}
+        for name in self.structure_parameters:
+            current = getattr(self, name)
+            now = np.asarray(current, dtype=np.float64)
+            if name in given:
+                unit = _UNITS.get(name, "see the docstring")
+                admitted = real_arguments(name, given[name], unit)
+                if admitted.ndim == 0:
+                    admitted = np.full(count, float(admitted))
+                if admitted.shape != (count,):
+                    raise ValueError(
+                        f"parameters[{name!r}] has shape {admitted.shape}; give one "
+                        f"value or one per admitted structure ({count})"
+                    )
+            elif now.ndim == 0:
+                values[name] = current  # the admitted structures share it
+                continue
+            elif count:
+                raise ValueError(
+                    f"{name} was given one value per structure: give "
+                    f"parameters={{{name!r}: ...}} for the {count} admitted structures"
+                )
+            else:
+                admitted = np.zeros(0)
+            before = np.broadcast_to(now, (len(self.images),))[kept]
+            values[name] = np.concatenate([before, admitted])
+        return values
 
     # -- logging ----------------------------------------------------------------
 
@@ -375,7 +519,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         the string).
         """
         array = real_arguments(name, value, _UNITS.get(name, "see the docstring"))
-        count = len(self.images)
+        count = len(self.images) if self._sizing is None else self._sizing
         if array.ndim == 0:
             array = np.full(count, float(array))
         if array.shape != (count,):

@@ -43,6 +43,11 @@ class NoseHooverChainNVT(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    #: Per-structure arguments and thermostat state follow ``resize`` (the
+    #: admitted structures' state as each would start alone).
+    resizes_in_place = True
+    structure_parameters: ClassVar[tuple[str, ...]] = ("temperature_K", "tdamp")
+
     _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "temperature"}
 
     def __init__(

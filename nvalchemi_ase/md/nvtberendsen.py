@@ -46,6 +46,11 @@ class NVTBerendsen(BatchedMolecularDynamics):
         :class:`~nvalchemi_ase.dynamics.base.BatchedDynamics`.
     """
 
+    #: Per-structure arguments and thermostat state follow ``resize`` (the
+    #: admitted structures' state as each would start alone).
+    resizes_in_place = True
+    structure_parameters: ClassVar[tuple[str, ...]] = ("temperature_K", "taut")
+
     _scheduled_fields: ClassVar[dict[str, str]] = {"temperature_K": "kT"}
 
     def __init__(
@@ -73,9 +78,12 @@ class NVTBerendsen(BatchedMolecularDynamics):
     def _check_inputs(self) -> None:
         self._per_structure("temperature_K", self.temperature_K)
         self._per_structure("taut", self.taut, strict=True)
+        self._check_admitted(self.images)
+
+    def _check_admitted(self, images: list[Any]) -> None:
         if not self.fix_com:
             return
-        for index, atoms in enumerate(self.images):
+        for index, atoms in enumerate(images):
             if atoms.get_number_of_degrees_of_freedom() < 3 * len(atoms):
                 raise ValueError(
                     f"images[{index}] has FixAtoms and fixcm=True: ASE's NVTBerendsen "
