@@ -225,3 +225,25 @@ def test_a_refill_evaluates_the_admitted_structures_alone_as_they_are_alone(
             atol=PATH_ATOL,
             rtol=0,
         )
+
+
+def test_retiring_without_admitting_evaluates_nothing(lj_calc64, monkeypatch):
+    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
+    images = [atoms.copy() for atoms in first]
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = optimize.FIRE(images, logfile=None)
+    opt.run(fmax=1e-12, steps=3)
+    calls = _counting_calls(opt.model, monkeypatch)
+    opt.resize([2, 0], [])
+    assert calls == []  # the survivors keep their outputs and lists
+    opt.run(fmax=1e-12, steps=2)
+    survivors = (2, len(first[2]) + len(first[0]))
+    assert calls == [survivors, survivors]  # two steps of the two survivors
+    for graph, atoms in enumerate([first[2], first[0]]):
+        np.testing.assert_allclose(
+            _positions(opt.batch_run, graph),
+            _alone(atoms, lj_calc64, 5),
+            atol=PATH_ATOL,
+            rtol=0,
+        )

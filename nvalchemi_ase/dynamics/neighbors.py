@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineNeighborHook",
+    "adopt_neighbor_lists",
     "append_neighbor_lists",
     "build_lists_apart",
     "carry_neighbor_lists",
@@ -456,6 +457,16 @@ def append_neighbor_lists(
                 lists["reference_positions"][first_atom:] = theirs[
                     "reference_positions"
                 ]
+        hook.adopt(batch)
+
+
+def adopt_neighbor_lists(hooks: list[Any], batch: Batch) -> None:
+    """Take the lists ``hooks`` were seeded with as exact for ``batch`` (none built).
+
+    For a batch whose structures all kept their lists (structures retired,
+    none admitted): see :func:`carry_neighbor_lists`.
+    """
+    for hook in _list_hooks(hooks):
         hook.adopt(batch)
 
 

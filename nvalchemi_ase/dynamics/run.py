@@ -41,6 +41,7 @@ from nvalchemi_ase.dynamics.checkpoint import (
 from nvalchemi_ase.dynamics.engine import EngineDriver
 from nvalchemi_ase.dynamics.failures import FailureGuard
 from nvalchemi_ase.dynamics.neighbors import (
+    adopt_neighbor_lists,
     append_neighbor_lists,
     build_lists_apart,
     carry_neighbor_lists,
@@ -62,7 +63,7 @@ __all__ = ["BatchRun", "atom_rows"]
 class _Arrivals:
     """Structures :meth:`BatchRun.resize` admitted, not evaluated yet."""
 
-    batch: Batch  # the admitted structures alone, as they were appended
+    batch: Batch | None  # the admitted structures alone, as appended (None: none)
     first_graph: int  # where they start in the working batch
     first_atom: int
 
@@ -148,9 +149,9 @@ class BatchRun:
         The caller chooses the model outputs (``model.narrowed_outputs``).
         After :meth:`resize` the model evaluates only the admitted structures
         (their own batch, their own neighbour lists, which then join the
-        working lists), when the structures that stayed hold every output
-        asked for now from their latest evaluation; every hook stage still
-        runs over the whole batch, as in any priming.
+        working lists; none if none was admitted), when the structures that
+        stayed hold every output asked for now from their latest evaluation;
+        every hook stage still runs over the whole batch, as in any priming.
         """
         self.engine.check_initial_batch(self.batch)
         self.guard.forget_snapshot()
@@ -189,6 +190,9 @@ class BatchRun:
         """
         assert self._neighbor_hooks is not None  # noqa: S101 - resize needs them
         alone, working = arrivals.batch, self.neighbor_hooks()
+        if alone is None:  # structures retired, none admitted: nothing to evaluate
+            adopt_neighbor_lists(working, self.batch)
+            return
         lists = self._neighbor_hooks()
         build_lists_apart(lists, working, alone)
         self.engine.compute(alone)
@@ -293,10 +297,11 @@ class BatchRun:
         self.primed = False
         self.stress_step = -1
         self._arrivals = None
-        if n_new and kept.numel():  # else the whole batch is new: evaluated whole
-            assert arrivals is not None  # noqa: S101 - n_new counts its structures
+        if kept.numel():  # else the whole batch is new: evaluated whole
+            admitted = arrivals if n_new else None
+            new_atoms = 0 if admitted is None else int(admitted.num_nodes)
             self._arrivals = _Arrivals(
-                arrivals, int(kept.numel()), int(new.num_nodes - arrivals.num_nodes)
+                admitted, int(kept.numel()), int(new.num_nodes) - new_atoms
             )
 
     def _carry_neighbor_lists_in_place(
