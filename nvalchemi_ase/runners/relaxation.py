@@ -638,6 +638,7 @@ class _Runner:
                     if self.trajectory is None
                     else [slot.trajectory for slot in admitted]
                 ),
+                checked=True,  # _Queue.admissible checked them with this model
             )
         live = self._run is not None
         self._adopt(slots=[*survivors, *admitted], survivors=len(survivors))
