@@ -247,3 +247,48 @@ def test_retiring_without_admitting_evaluates_nothing(lj_calc64, monkeypatch):
             atol=PATH_ATOL,
             rtol=0,
         )
+
+
+def test_admitted_structures_needing_more_neighbours_widen_the_list(
+    lj_calc64, monkeypatch
+):
+    from ase import Atoms
+
+    from nvalchemi_ase._compat import neighbor_hook_lists
+
+    first = [  # few atoms, no periodic images: a list 16 wide
+        Atoms("Ar3", positions=[[0, 0, 0], [3.9, 0, 0], [0.2, 3.7, 0.1]]),
+        Atoms("Ar3", positions=[[0, 0, 0], [3.6, 0.3, 0], [0, 0.1, 4.0]]),
+    ]
+    later = [rattled_bulk(2, seed=9)]  # about a hundred neighbours an atom
+    images = [atoms.copy() for atoms in first]
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = optimize.FIRE(images, logfile=None)
+    opt.run(fmax=1e-12, steps=2)
+    (hook,) = opt.batch_run.neighbor_hooks()
+    narrow = int(neighbor_hook_lists(hook)["matrix"].shape[1])
+    survivor = images[1].copy()
+    calls = _counting_calls(opt.model, monkeypatch)
+    opt.resize([1], [atoms.copy() for atoms in later])
+    assert calls == [(1, len(later[0]))]
+    (hook,) = opt.batch_run.neighbor_hooks()
+    assert int(neighbor_hook_lists(hook)["matrix"].shape[1]) > narrow
+    batch = opt.batch
+    for graph, atoms in enumerate([survivor, later[0]]):
+        energy, forces = _alone_results(atoms, lj_calc64)
+        start, stop = batch.batch_ptr[graph : graph + 2].tolist()
+        assert float(batch.energy[graph]) == pytest.approx(
+            energy, abs=EXACT[torch.float64]
+        )
+        np.testing.assert_allclose(
+            batch.forces[start:stop].numpy(), forces, atol=EXACT[torch.float64], rtol=0
+        )
+    opt.run(fmax=1e-12, steps=3)
+    for graph, (atoms, steps) in enumerate([(first[1], 5), (later[0], 3)]):
+        np.testing.assert_allclose(
+            _positions(opt.batch_run, graph),
+            _alone(atoms, lj_calc64, steps),
+            atol=PATH_ATOL,
+            rtol=0,
+        )
