@@ -48,10 +48,11 @@ survivors + admitted structures and carries the same state into it
 (:meth:`~nvalchemi_ase.dynamics.run.BatchRun.carry_from`). No
 structure's path depends on what else is in the batch: every engine works per
 structure, convergence and step limits are per structure, and the state a
-structure's next step reads is its own. The cost is the admitted structures' batch, neighbour lists and first
-evaluation (what a fixed chunk spends on them too) plus the bookkeeping of
-resizing (the survivors' rows of the batch, lists and state, ≈ 1-2 steps of
-a 4000-atom LJ batch on a CPU), so refills are batched: one happens when a structure reaches its step
+structure's next step reads is its own. The cost is the admitted
+structures' batch, neighbour lists and first evaluation (what a fixed chunk
+spends on them too) plus the bookkeeping of resizing (the survivors' rows of
+the batch, lists and state, ≈ 1-2 steps of a 4000-atom LJ batch on a CPU),
+so refills are batched: one happens when a structure reaches its step
 limit (it must stop moving), when every structure in the batch has finished, or
 when the finished structures (which stay frozen in the batch until then, as in
 a plain batched run) have cost about what a refill costs and the next queued
