@@ -67,6 +67,7 @@ __all__ = [
     "prime_engine",
     "seed_neighbor_hook",
     "set_engine_seed",
+    "set_neighbor_capacity",
     "write_neighbor_hook_lists",
 ]
 
@@ -286,8 +287,6 @@ PRIVATE_ATTRIBUTES = {
     ),
     "NeighborListHook": (
         "_ref_positions",
-        "_alloc_N",
-        "_alloc_B",
         "_neighbor_matrix",
         "_num_neighbors",
         "_neighbor_matrix_shifts",
@@ -327,18 +326,38 @@ def close_hooks(engine: BaseDynamics) -> None:
     engine._close_hooks()
 
 
-def prime_engine(engine: BaseDynamics, batch: Batch) -> None:
+def prime_engine(engine: BaseDynamics, batch: Batch, *, evaluate: bool = True) -> None:
     """Admit ``batch`` and evaluate the model once, before any step.
 
     ``ON_ADMISSION`` hooks fire, then ``BEFORE_COMPUTE`` → model →
     ``AFTER_COMPUTE`` with ``step_count`` unchanged, exactly as the first
     ``step()`` of ``run()`` would; the next ``step()`` then integrates without
     a second evaluation.
+
+    ``evaluate=False``: the batch already holds the model outputs of its
+    current positions (a refill evaluated only the structures it admitted),
+    so the engine's ``compute`` is skipped for this one call (shadowed by a
+    no-op on the instance, which ``_prime_forces`` calls); every hook stage
+    runs as above.
     """
     engine._admission_initialized = False
     engine._ensure_admission_initialized(batch)
-    engine._prime_forces(batch, engine.active_graph_mask(batch, engine.exit_status))
+    mask = engine.active_graph_mask(batch, engine.exit_status)
+    if evaluate:
+        engine._prime_forces(batch, mask)
+    else:
+        engine.compute = _outputs_already_published  # type: ignore[method-assign]
+        try:
+            engine._prime_forces(batch, mask)
+        finally:
+            del engine.compute
     engine._forces_primed = True
+
+
+def _outputs_already_published(
+    batch: Batch, active_graph_mask: torch.Tensor | None = None
+) -> None:
+    """Stand-in for ``BaseDynamics.compute`` when the batch holds its outputs."""
 
 
 def evaluate_again(engine: BaseDynamics, batch: Batch) -> None:
@@ -413,9 +432,18 @@ def eager_call(compiled: Any) -> Any:
     return getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
-def neighbor_hook_reference(hook: Any) -> tuple[torch.Tensor | None, int, int]:
-    """Positions a ``NeighborListHook`` built its list at, and its sizes (V, B)."""
-    return hook._ref_positions, hook._alloc_N, hook._alloc_B
+def neighbor_hook_reference(hook: Any) -> torch.Tensor | None:
+    """Positions [V, 3] a ``NeighborListHook`` built its list at (None: not yet)."""
+    return hook._ref_positions  # type: ignore[no-any-return]
+
+
+def set_neighbor_capacity(hook: Any, capacity: int) -> None:
+    """Make an unbuilt ``NeighborListHook`` start at ``capacity`` neighbours an atom.
+
+    Instead of nvalchemi's density estimate; its first build still grows K
+    when an atom has more neighbours, and never trims K below ``capacity``.
+    """
+    hook._max_neighbors_override = int(capacity)
 
 
 def seed_neighbor_hook(

@@ -16,6 +16,7 @@ import torch
 
 from nvalchemi_ase import optimize
 from nvalchemi_ase.convert import atoms_to_batch
+from tests._tolerances import EXACT
 from tests.structures import cluster, rattled_bulk, small_cell_rattled, triclinic
 
 # Same engine, same structure, same float64 model: round-off only.
@@ -327,3 +328,133 @@ def test_thermostat_resize_refuses_missing_or_bad_parameters_and_changes_nothing
     np.testing.assert_array_equal(dyn.parameter_table()["temperature_K"], [20.0, 30.0])
     np.testing.assert_array_equal(dyn.parameter_table()["friction"], [0.01, 0.01])
     assert dyn.run(2)
+
+
+def _counting_calls(model, monkeypatch) -> list[tuple[int, int]]:
+    """(structures, atoms) of every model evaluation from now on."""
+    calls: list[tuple[int, int]] = []
+    forward = model.forward
+
+    def counted(batch, *args, **kwargs):
+        calls.append((int(batch.num_graphs), int(batch.num_nodes)))
+        return forward(batch, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return calls
+
+
+def _alone_results(atoms, calc):
+    copy = atoms.copy()
+    copy.calc = calc
+    return copy.get_potential_energy(), copy.get_forces()
+
+
+def test_a_refill_evaluates_the_admitted_structures_alone_as_they_are_alone(
+    lj_calc64, monkeypatch
+):
+    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
+    later = [cluster(), rattled_bulk(2, seed=9)]
+    images = [atoms.copy() for atoms in first]
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = optimize.FIRE(images, logfile=None)
+    opt.run(fmax=1e-12, steps=3)
+    survivors = [images[2].copy(), images[0].copy()]  # as they are now
+    calls = _counting_calls(opt.model, monkeypatch)
+    opt.resize([2, 0], [atoms.copy() for atoms in later])
+    # one evaluation, of the admitted structures only: the survivors keep theirs
+    assert calls == [(len(later), sum(len(atoms) for atoms in later))]
+    batch = opt.batch
+    tolerance = EXACT[torch.float64]
+    for graph, atoms in enumerate([*survivors, *later]):
+        energy, forces = _alone_results(atoms, lj_calc64)
+        start, stop = batch.batch_ptr[graph : graph + 2].tolist()
+        assert float(batch.energy[graph]) == pytest.approx(energy, abs=tolerance)
+        np.testing.assert_allclose(
+            batch.forces[start:stop].numpy(), forces, atol=tolerance, rtol=0
+        )
+    calls.clear()
+    run = opt.batch_run
+    run.open_hooks()
+    try:
+        with opt.model.narrowed_outputs({"energy", "forces"}):
+            run.step()  # primed by the resize
+    finally:
+        run.close_hooks()
+    assert calls == [(4, batch.num_nodes)]  # a step evaluates everyone
+    for graph, (atoms, steps) in enumerate(
+        [(first[2], 4), (first[0], 4), (later[0], 1), (later[1], 1)]
+    ):
+        np.testing.assert_allclose(
+            _positions(opt.batch_run, graph),
+            _alone(atoms, lj_calc64, steps),
+            atol=PATH_ATOL,
+            rtol=0,
+        )
+
+
+def test_retiring_without_admitting_evaluates_nothing(lj_calc64, monkeypatch):
+    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
+    images = [atoms.copy() for atoms in first]
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = optimize.FIRE(images, logfile=None)
+    opt.run(fmax=1e-12, steps=3)
+    calls = _counting_calls(opt.model, monkeypatch)
+    opt.resize([2, 0], [])
+    assert calls == []  # the survivors keep their outputs and lists
+    opt.run(fmax=1e-12, steps=2)
+    survivors = (2, len(first[2]) + len(first[0]))
+    assert calls == [survivors, survivors]  # two steps of the two survivors
+    for graph, atoms in enumerate([first[2], first[0]]):
+        np.testing.assert_allclose(
+            _positions(opt.batch_run, graph),
+            _alone(atoms, lj_calc64, 5),
+            atol=PATH_ATOL,
+            rtol=0,
+        )
+
+
+def test_admitted_structures_needing_more_neighbours_widen_the_list(
+    lj_calc64, monkeypatch
+):
+    from ase import Atoms
+
+    from nvalchemi_ase._compat import neighbor_hook_lists
+
+    first = [  # few atoms, no periodic images: a list 16 wide
+        Atoms("Ar3", positions=[[0, 0, 0], [3.9, 0, 0], [0.2, 3.7, 0.1]]),
+        Atoms("Ar3", positions=[[0, 0, 0], [3.6, 0.3, 0], [0, 0.1, 4.0]]),
+    ]
+    later = [rattled_bulk(2, seed=9)]  # about a hundred neighbours an atom
+    images = [atoms.copy() for atoms in first]
+    for atoms in images:
+        atoms.calc = lj_calc64
+    opt = optimize.FIRE(images, logfile=None)
+    opt.run(fmax=1e-12, steps=2)
+    (hook,) = opt.batch_run.neighbor_hooks()
+    narrow = int(neighbor_hook_lists(hook)["matrix"].shape[1])
+    survivor = images[1].copy()
+    calls = _counting_calls(opt.model, monkeypatch)
+    opt.resize([1], [atoms.copy() for atoms in later])
+    assert calls == [(1, len(later[0]))]
+    (hook,) = opt.batch_run.neighbor_hooks()
+    assert int(neighbor_hook_lists(hook)["matrix"].shape[1]) > narrow
+    batch = opt.batch
+    for graph, atoms in enumerate([survivor, later[0]]):
+        energy, forces = _alone_results(atoms, lj_calc64)
+        start, stop = batch.batch_ptr[graph : graph + 2].tolist()
+        assert float(batch.energy[graph]) == pytest.approx(
+            energy, abs=EXACT[torch.float64]
+        )
+        np.testing.assert_allclose(
+            batch.forces[start:stop].numpy(), forces, atol=EXACT[torch.float64], rtol=0
+        )
+    opt.run(fmax=1e-12, steps=3)
+    for graph, (atoms, steps) in enumerate([(first[1], 5), (later[0], 3)]):
+        np.testing.assert_allclose(
+            _positions(opt.batch_run, graph),
+            _alone(atoms, lj_calc64, steps),
+            atol=PATH_ATOL,
+            rtol=0,
+        )

@@ -190,6 +190,44 @@ def test_default_schedule_batches_refills_and_changes_no_path(calc, monkeypatch)
         )
 
 
+@pytest.mark.usefixtures("eager_refills")
+def test_a_refill_evaluates_the_admitted_structures_only(calc, monkeypatch):
+    from nvalchemi_ase.runners import relaxation
+
+    images = mixed(24, seed=6, largest=30)
+    events: list[tuple] = []
+    forward = calc.model.forward
+    rebuild = relaxation._Runner._rebuild
+
+    def counted(batch, *args, **kwargs):
+        events.append(("call", int(batch.num_graphs), int(batch.num_nodes)))
+        return forward(batch, *args, **kwargs)
+
+    def refill(self, survivors, admitted):
+        events.append(("refill", len(survivors), len(admitted)))
+        rebuild(self, survivors, admitted)
+        events.append(("end", len(survivors), sum(len(s.atoms) for s in admitted)))
+
+    monkeypatch.setattr(calc.model, "forward", counted)
+    monkeypatch.setattr(relaxation._Runner, "_rebuild", refill)
+    results = relax(images, calc, optimizer="FIRE", fmax=FMAX, max_atoms=90)
+    assert all(atoms.info["converged"] for atoms in results)
+    starts = [i for i, event in enumerate(events) if event[0] == "refill"]
+    with_survivors = 0
+    for start in starts:
+        _, survivors, admitted = events[start]
+        end = next(i for i in range(start, len(events)) if events[i][0] == "end")
+        atoms = events[end][2]
+        calls = [event[1:] for event in events[start:] if event[0] == "call"]
+        if admitted:  # the next evaluation is the admitted structures' alone
+            assert calls[0] == (admitted, atoms)
+        if survivors:  # in place: evaluated inside the refill, or nothing
+            inside = [event[1:] for event in events[start + 1 : end]]
+            assert inside == ([(admitted, atoms)] if admitted else [])
+            with_survivors += bool(admitted)
+    assert with_survivors >= 3
+
+
 def test_optimizer_class_and_its_arguments_are_accepted(calc):
     images = mixed(4, seed=2, largest=30)
     results = relax(images, calc, optimizer=optimize.MDMin, dt=0.1, fmax=FMAX)

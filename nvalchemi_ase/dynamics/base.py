@@ -515,15 +515,17 @@ class BatchedDynamics(AseBaseDynamics):
         images: list[Atoms],
         *,
         trajectories: list[Any] | None = None,
+        checked: bool = False,
     ) -> None:
         """Keep the structures ``keep`` (in that order) and append ``images``, in place.
 
         Between the steps of a run (or between runs): the structures that
         stay go on exactly as they would have (the engine, its per-structure
-        state, neighbour lists, failure flags and velocities stay, in place,
-        see :meth:`~nvalchemi_ase.dynamics.run.BatchRun.resize`); the new ones
-        are checked, evaluated once (with the others) and start at their own
-        step 0, a frame of which goes to their trajectories. The structures
+        state, neighbour lists, failure flags, velocities and model outputs
+        stay, in place, see :meth:`~nvalchemi_ase.dynamics.run.BatchRun.resize`);
+        the new ones are checked, evaluated once (alone, where the others'
+        outputs are current) and start at their own step 0, a frame of which
+        goes to their trajectories. The structures
         that leave are not written back: write them first
         (:meth:`sync_structures`). ``nsteps`` goes on counting.
 
@@ -536,6 +538,10 @@ class BatchedDynamics(AseBaseDynamics):
         trajectories : list of path or Trajectory, optional
             One per admitted structure; required when this object writes
             trajectories.
+        checked : bool
+            The caller has already run :func:`~nvalchemi_ase.convert.check_images`
+            on ``images`` with this object's model and neighbour skin (the
+            runners do, for all a refill admits); not again here.
 
         Raises
         ------
@@ -562,7 +568,7 @@ class BatchedDynamics(AseBaseDynamics):
                 "resize admits structures with FixAtoms constraints only; create a "
                 "new object for others"
             )
-        if arrivals:
+        if arrivals and not checked:
             check_images(arrivals, model=self.model, skin=self.neighbor_skin)
         if bool(self.trajectories) and (
             trajectories is None or len(trajectories) != len(arrivals)

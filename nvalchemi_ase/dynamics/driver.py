@@ -82,15 +82,16 @@ class EngineDriver:
             self._open = False
             close_hooks(self.engine)
 
-    def prime(self) -> None:
+    def prime(self, *, evaluate: bool = True) -> None:
         """Admit the batch and evaluate the model once, before any step.
 
         ``ON_ADMISSION`` hooks fire, then ``BEFORE_COMPUTE`` → model →
         ``AFTER_COMPUTE`` (with ``step_count`` unchanged), exactly as the first
         ``step()`` of ``run()`` would; the next :meth:`step` then integrates
-        without a second evaluation.
+        without a second evaluation. ``evaluate=False``: every stage but the
+        model's, for a batch that already holds its outputs.
         """
-        prime_engine(self.engine, self.batch)
+        prime_engine(self.engine, self.batch, evaluate=evaluate)
 
     def step(self) -> None:
         """Advance every active structure by one engine step (all hook stages)."""

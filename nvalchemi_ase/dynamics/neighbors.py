@@ -41,6 +41,7 @@ from nvalchemi_ase._compat import (
     pipeline_batch_sources,
     pipeline_hook_inner,
     seed_neighbor_hook,
+    set_neighbor_capacity,
     write_neighbor_hook_lists,
 )
 from nvalchemi_ase._quiet import import_quietly
@@ -52,9 +53,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PipelineNeighborHook",
+    "adopt_neighbor_lists",
+    "append_neighbor_lists",
+    "build_lists_apart",
     "carry_neighbor_lists",
     "empty_neighbors",
     "is_neighbor_hook",
+    "lists_build_apart",
     "load_neighbor_state",
     "neighbor_hooks",
     "neighbor_state",
@@ -211,6 +216,8 @@ def _skipping_hook_class() -> type:
             self.skip_when_holding = True
             #: True while a composed model's hook rewrites lists (none rebuilt).
             self.hold = False
+            #: (atoms, structures) of the batch its list was made for.
+            self.sizes: tuple[int, int] | None = None
 
         def __call__(self, ctx: Any, stage: Any) -> None:
             batch = ctx.batch
@@ -223,8 +230,19 @@ def _skipping_hook_class() -> type:
             self.builds += 1
             if self.emptied is not None:  # a rebuild may have refilled them
                 empty_neighbor_rows(self, self.emptied, batch)
+            self.adopt(batch, write=False)
+
+        def adopt(self, batch: Any, *, write: bool = True) -> None:
+            """Take the list it holds as exact for ``batch``: written there, kept.
+
+            Until an atom moves past half the skin (or the cells or sizes
+            change), its calls leave the list as it is.
+            """
+            if write:
+                write_neighbor_hook_lists(self, batch)
             self._written = _neighbor_data(batch)
             self._cell_at_build = _cell_of(batch)
+            self.sizes = (int(batch.num_nodes), int(batch.num_graphs))
 
     return SkinNeighborListHook
 
@@ -276,7 +294,8 @@ def carry_neighbor_lists(
     changed for the survivors. Here each new hook gets the survivors' rows,
     renumbered, with the positions they were built at as its skin reference,
     so its first build (nvalchemi's per-system rebuild) makes only the
-    admitted structures' lists; and it starts at the old list's capacity K
+    admitted structures' lists (or :func:`append_neighbor_lists` gives it
+    theirs, built apart); and it starts at the old list's capacity K
     (nvalchemi's density estimate is about seven times what argon needs).
     Every list stays a Verlet list of its structure (all pairs within the
     cutoff, at most ``skin / 2`` moved since it was built), so forces equal
@@ -336,9 +355,12 @@ def _renumbered(
         offsets.to(torch.int32).unsqueeze(1),
         out=matrix[:carried],
     )
-    matrix[carried:] = new_atoms
     counts = torch.zeros(new_atoms, dtype=torch.int32, device=device)
     counts[:carried] = lists["num_neighbors"].index_select(0, rows)
+    columns = torch.arange(capacity, device=device, dtype=torch.int32)
+    padding = columns.unsqueeze(0) >= counts[:carried].unsqueeze(1)
+    matrix[:carried].masked_fill_(padding, new_atoms)  # the fill value of new_batch
+    matrix[carried:] = new_atoms
     shifts = None
     if "shifts" in lists:
         shifts = torch.empty((new_atoms, capacity, 3), dtype=torch.int32, device=device)
@@ -349,6 +371,124 @@ def _renumbered(
         if "reference_positions" in lists:
             reference[:carried] = lists["reference_positions"].index_select(0, rows)
     return matrix, counts, shifts, reference
+
+
+def lists_build_apart(hooks: list[Any]) -> bool:
+    """Whether ``hooks``' lists can be built apart for a refill's admitted structures.
+
+    (:func:`build_lists_apart`, then :func:`append_neighbor_lists`.) True
+    when every neighbour-list hook among an engine's ``hooks`` holds one
+    list it has built or been given (a composed model's hook, which writes
+    several lists at once, does not qualify).
+    """
+    lists = [hook for hook in hooks if is_neighbor_hook(hook)]
+    return all(
+        not isinstance(hook, PipelineNeighborHook) and neighbor_hook_lists(hook)
+        for hook in lists
+    )
+
+
+def build_lists_apart(hooks: list[Any], working: list[Any], batch: Batch) -> None:
+    """Build fresh ``hooks``' lists for ``batch``, a refill's admitted structures alone.
+
+    Parameters
+    ----------
+    hooks : list
+        Unbuilt hooks made by :func:`neighbor_hooks` (one list each).
+    working : list
+        The working batch's hooks: each fresh list starts at the capacity K
+        of its working list (nvalchemi's density estimate is about seven
+        times what argon needs), and grows past it if an atom needs more.
+    batch : Batch
+        The admitted structures; their neighbour fields are written.
+    """
+    for hook, like in zip(_list_hooks(hooks), _list_hooks(working), strict=True):
+        lists = neighbor_hook_lists(like)
+        if lists:
+            set_neighbor_capacity(hook, int(lists["matrix"].shape[1]))
+    context = SimpleNamespace(batch=batch)
+    for hook in hooks:
+        hook(context, hook.stage)
+
+
+def append_neighbor_lists(
+    hooks: list[Any], built: list[Any], batch: Batch, first_atom: int
+) -> None:
+    """Give the working lists the admitted structures' rows, built apart.
+
+    After a refill the working hooks hold the survivors' rows (carried by
+    :func:`carry_neighbor_lists`) and empty rows for the admitted atoms,
+    ``first_atom`` onwards; ``built`` holds the admitted structures' own lists
+    (:func:`build_lists_apart`). Their rows are put in place, renumbered by
+    ``first_atom`` (the admitted atoms' fill value becomes the batch's), K
+    widened if theirs is larger, and each working list is taken as exact for
+    ``batch`` (:meth:`adopt`): no list is built for the whole batch.
+
+    Parameters
+    ----------
+    hooks : list
+        The working batch's hooks (seeded by a carry).
+    built : list
+        Hooks that built the admitted structures' lists.
+    batch : Batch
+        The working batch: survivors' atoms, then the admitted ones.
+    first_atom : int
+        Row of the first admitted atom in ``batch``.
+    """
+    for hook, source in zip(_list_hooks(hooks), _list_hooks(built), strict=True):
+        theirs = neighbor_hook_lists(source)
+        width = int(theirs["matrix"].shape[1])
+        lists = neighbor_hook_lists(hook)
+        if width > lists["matrix"].shape[1] or "shifts" in theirs.keys() - lists:
+            seed_neighbor_hook(
+                hook,
+                *_widened(lists, width, int(batch.num_nodes), "shifts" in theirs),
+                lists["reference_positions"],
+            )
+            lists = neighbor_hook_lists(hook)
+        with torch.no_grad():
+            torch.add(
+                theirs["matrix"], first_atom, out=lists["matrix"][first_atom:, :width]
+            )
+            lists["num_neighbors"][first_atom:] = theirs["num_neighbors"]
+            if "shifts" in lists:
+                lists["shifts"][first_atom:, :width] = theirs["shifts"]
+            if "reference_positions" in theirs:  # else (no skin) rebuilt when used
+                lists["reference_positions"][first_atom:] = theirs[
+                    "reference_positions"
+                ]
+        hook.adopt(batch)
+
+
+def adopt_neighbor_lists(hooks: list[Any], batch: Batch) -> None:
+    """Take the lists ``hooks`` were seeded with as exact for ``batch`` (none built).
+
+    For a batch whose structures all kept their lists (structures retired,
+    none admitted): see :func:`carry_neighbor_lists`.
+    """
+    for hook in _list_hooks(hooks):
+        hook.adopt(batch)
+
+
+def _widened(
+    lists: dict[str, torch.Tensor], width: int, fill: int, shifted: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Return a list's matrix, counts and shifts, at least ``width`` columns wide.
+
+    ``shifted``: give it (zero) shifts if it has none.
+    """
+    matrix = lists["matrix"]
+    atoms, columns = matrix.shape
+    width = max(width, columns)
+    wider = torch.full((atoms, width), fill, dtype=matrix.dtype, device=matrix.device)
+    wider[:, :columns] = matrix
+    shifts = lists.get("shifts")
+    if shifts is None and not shifted:
+        return wider, lists["num_neighbors"], None
+    wide_shifts = matrix.new_zeros((atoms, width, 3))
+    if shifts is not None:
+        wide_shifts[:, :columns] = shifts
+    return wider, lists["num_neighbors"], wide_shifts
 
 
 def neighbor_state(hook: Any) -> dict[str, torch.Tensor]:
@@ -433,12 +573,8 @@ def _within_skin(hook: Any, batch: Batch) -> bool:
     """
     if not devices.host_reads_are_free(batch.positions.device) or hook.skin <= 0.0:
         return False
-    reference, allocated_atoms, allocated_systems = neighbor_hook_reference(hook)
-    if (
-        reference is None
-        or allocated_atoms != batch.num_nodes
-        or allocated_systems != batch.num_graphs
-    ):
+    reference = neighbor_hook_reference(hook)
+    if reference is None or hook.sizes != (batch.num_nodes, batch.num_graphs):
         return False
     cell = getattr(batch, "cell", None)  # compared, not copied: this runs every step
     if (cell is None) != (hook._cell_at_build is None) or (

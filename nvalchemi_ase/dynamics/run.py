@@ -20,6 +20,7 @@ trajectories belong to the ASE-facing classes
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,9 +41,13 @@ from nvalchemi_ase.dynamics.checkpoint import (
 from nvalchemi_ase.dynamics.driver import EngineDriver
 from nvalchemi_ase.dynamics.failures import FailureGuard
 from nvalchemi_ase.dynamics.neighbors import (
+    adopt_neighbor_lists,
+    append_neighbor_lists,
+    build_lists_apart,
     carry_neighbor_lists,
     empty_neighbors,
     is_neighbor_hook,
+    lists_build_apart,
     load_neighbor_state,
     neighbor_state,
 )
@@ -52,6 +57,15 @@ if TYPE_CHECKING:
     from nvalchemi.dynamics.base import BaseDynamics
 
 __all__ = ["BatchRun", "atom_rows"]
+
+
+@dataclass
+class _Arrivals:
+    """Structures :meth:`BatchRun.resize` admitted, not evaluated yet."""
+
+    batch: Batch | None  # the admitted structures alone, as appended (None: none)
+    first_graph: int  # where they start in the working batch
+    first_atom: int
 
 
 class BatchRun:
@@ -83,6 +97,9 @@ class BatchRun:
         self.stress_step = -1
         #: Whether the current batch has been evaluated (priming done).
         self.primed = False
+        #: Model outputs of the batch's latest evaluation (None: none yet).
+        self._evaluated: frozenset[str] | None = None
+        self._arrivals: _Arrivals | None = None
 
     def attach_engine(
         self,
@@ -130,16 +147,66 @@ class BatchRun:
         """Evaluate the batch once before any step (ASE's first ``get_forces``).
 
         The caller chooses the model outputs (``model.narrowed_outputs``).
+        After :meth:`resize` the model evaluates only the admitted structures
+        (their own batch, their own neighbour lists, which then join the
+        working lists; none if none was admitted), when the structures that
+        stayed hold every output asked for now from their latest evaluation;
+        every hook stage still runs over the whole batch, as in any priming.
         """
         self.engine.check_initial_batch(self.batch)
         self.guard.forget_snapshot()
         assert self.driver is not None  # noqa: S101 - attach_engine came first
-        self.driver.prime()
+        arrivals, self._arrivals = self._arrivals, None
+        outputs = self._outputs()
+        apart = (
+            arrivals is not None
+            and self._evaluated is not None
+            and outputs <= self._evaluated
+            and lists_build_apart(self.engine.hooks)
+        )
+        if apart:
+            assert arrivals is not None  # noqa: S101 - checked just above
+            self._evaluate_apart(arrivals)
+            self.driver.prime(evaluate=False)
+        else:
+            self.driver.prime()
+        self._evaluated = outputs
 
     def step(self) -> None:
         """One engine step over every active structure (all hook stages)."""
         assert self.driver is not None  # noqa: S101 - attach_engine came first
         self.driver.step()
+        self._evaluated = self._outputs()
+
+    def _outputs(self) -> frozenset[str]:
+        """Return the model outputs an evaluation now computes (``active_outputs``)."""
+        return frozenset(self.engine.model.model_config.active_outputs)
+
+    def _evaluate_apart(self, arrivals: _Arrivals) -> None:
+        """Evaluate the admitted structures alone; put outputs and lists in the batch.
+
+        The survivors keep the outputs of their latest evaluation, at the
+        positions they still have, and their lists (carried by :meth:`resize`).
+        """
+        assert self._neighbor_hooks is not None  # noqa: S101 - resize needs them
+        alone, working = arrivals.batch, self.neighbor_hooks()
+        if alone is None:  # structures retired, none admitted: nothing to evaluate
+            adopt_neighbor_lists(working, self.batch)
+            return
+        lists = self._neighbor_hooks()
+        build_lists_apart(lists, working, alone)
+        self.engine.compute(alone)
+        batch = self.batch
+        with torch.no_grad():
+            for key in RESULT_FIELDS:
+                if key in alone and key in batch:
+                    rows = (
+                        arrivals.first_atom
+                        if batch[key].shape[0] == batch.num_nodes
+                        else arrivals.first_graph
+                    )
+                    batch[key][rows:].copy_(alone[key])
+        append_neighbor_lists(working, lists, batch, arrivals.first_atom)
 
     # -- resizing -------------------------------------------------------------------
 
@@ -201,7 +268,8 @@ class BatchRun:
         resize); the kept structures' neighbour lists are carried, renumbered,
         and the arrivals' built at the next evaluation; the failure flags
         follow. The arrivals are not evaluated: call :meth:`prime` (or let
-        the caller's priming run) before the next step.
+        the caller's priming run) before the next step; it evaluates them
+        alone when it can (see :meth:`prime`).
 
         Parameters
         ----------
@@ -244,6 +312,13 @@ class BatchRun:
         self.driver.batch = new
         self.primed = False
         self.stress_step = -1
+        self._arrivals = None
+        if kept.numel():  # else the whole batch is new: evaluated whole
+            admitted = arrivals if n_new else None
+            new_atoms = 0 if admitted is None else int(admitted.num_nodes)
+            self._arrivals = _Arrivals(
+                admitted, int(kept.numel()), int(new.num_nodes) - new_atoms
+            )
 
     def _carry_neighbor_lists_in_place(
         self, old: Batch, kept: torch.Tensor, new: Batch

@@ -253,6 +253,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         images: list[Any],
         *,
         trajectories: list[Any] | None = None,
+        checked: bool = False,
         parameters: dict[str, Any] | None = None,
     ) -> None:
         """Keep the structures ``keep`` and append ``images``, in place.
@@ -279,6 +280,8 @@ class BatchedMolecularDynamics(BatchedDynamics):
         trajectories : list of path or Trajectory, optional
             One per admitted structure; required when this object writes
             trajectories.
+        checked : bool
+            The caller has already checked ``images`` (as the base class).
         parameters : dict, optional
             Per-structure arguments of the admitted structures, by name (one
             value, or one per admitted structure, in the argument's unit);
@@ -302,7 +305,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
                 setattr(self, name, value)
             self._check_admitted(images)
             self._fresh_engine = self.build_engine([]) if values else None
-            super().resize(kept, images, trajectories=trajectories)
+            super().resize(kept, images, trajectories=trajectories, checked=checked)
         except Exception:
             for name, value in previous.items():
                 setattr(self, name, value)

@@ -69,8 +69,9 @@ OPTIMIZERS = ("FIRE", "FIRE2", "LBFGS", "BFGS", "MDMin")
 #: computes its forces directly (LJ): refill once the finished structures'
 #: atoms, summed over the steps they sat frozen in the batch, reach this many
 #: batches' atoms (see the module docstring). Measured for LJ argon, 4096
-#: atoms, on a CPU: a refill (engine build, neighbour lists, first
-#: evaluation, write-back) costs several steps (docs/performance.md, section 10).
+#: atoms, on a CPU: a refill (the admitted structures' batch, neighbour lists
+#: and first evaluation, resizing the batch, write-back) costs about 3-5
+#: steps, and 6 beat 0.5-3 (docs/performance.md, section 10).
 _REFILL_STEPS = 6.0
 
 #: The same for a model whose forces come by autograd (machine-learned
@@ -638,6 +639,7 @@ class _Runner:
                     if self.trajectory is None
                     else [slot.trajectory for slot in admitted]
                 ),
+                checked=True,  # _Queue.admissible checked them with this model
             )
         live = self._run is not None
         self._adopt(slots=[*survivors, *admitted], survivors=len(survivors))
