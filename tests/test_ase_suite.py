@@ -36,17 +36,6 @@ EXPECTED_FAILURES = {
     "1000-step KL bound holds for ASE's random stream only": [
         "md/test_position_distribution.py::test_position_distribution",
     ],
-    # not explained yet (README): NPH enthalpy check on LangevinBAOAB's
-    # trajectory; ASE's own CellAwareBFGS restart fails only beside the swap
-    "not explained yet": [
-        "md/test_langevinbaoab.py::test_LangevinBAOAB_NsH",
-        "optimize/test_optimizer_restart.py::test_optimizers_restart[CellAwareBFGS]",
-        # FixBondLengths water dimer: the log's fmax (the RATTLE-projected
-        # forces) is 0.157 eV/Å where the trajectory frame's forces read back
-        # give 0.187 (FIRE: 0.187 / 0.197)
-        "md/test_md_logger.py::test_optimizer[BFGS]",
-        "md/test_md_logger.py::test_optimizer[FIRE]",
-    ],
 }
 
 

@@ -210,6 +210,42 @@ def test_strain_filter_follows_ases_optimizer_step_for_step(lj_calc64, optimizer
         assert deformation[1, 2] == pytest.approx(0.0, abs=1e-12)
 
 
+STRAIN_STEPS = 300  # enough for both to converge
+
+
+@pytest.mark.parametrize("optimizer", ["FIRE", "BFGS"])
+def test_failure_guard_lets_a_large_cells_strain_step_through(lj_calc64, optimizer):
+    """A 26 Å cell, 12 % stretched: ASE's first strain step moves far atoms > 2 Å.
+
+    The guard checks the atoms' own displacement past the homogeneous strain
+    (the volume limit bounds the cell), so ASE's path is followed, not failed.
+    """
+    import ase.optimize
+    from ase.filters import StrainFilter
+
+    import nvalchemi_ase.optimize
+
+    def stretched():
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(4)
+        atoms.set_cell(atoms.cell * 1.12, scale_atoms=True)
+        return atoms
+
+    reference, atoms = stretched(), stretched()
+    reference.calc = _fresh(lj_calc64.model)
+    atoms.calc = lj_calc64
+    theirs = getattr(ase.optimize, optimizer)(StrainFilter(reference), logfile=None)
+    start = reference.positions.copy()
+    theirs.run(fmax=1e-3, steps=1)
+    moved = np.linalg.norm(reference.positions - start, axis=1).max()
+    assert moved > FailureLimits().max_displacement  # ASE's own first step
+    assert theirs.run(fmax=1e-3, steps=STRAIN_STEPS)
+    ours = getattr(nvalchemi_ase.optimize, optimizer)(StrainFilter(atoms), logfile=None)
+    assert ours.run(fmax=1e-3, steps=STRAIN_STEPS + 1)
+    assert ours.failures == []
+    assert ours.nsteps == theirs.nsteps
+    np.testing.assert_allclose(atoms.cell.array, reference.cell.array, atol=1e-8)
+
+
 def test_strain_filter_is_refused_by_nvalchemis_variable_cell_engines(lj_calc64):
     from ase.filters import StrainFilter
 

@@ -168,6 +168,23 @@ def test_fixcom_velocity_verlet_matches_ase(lj_calc64):
     )
 
 
+def test_fixcom_in_bfgs_weighs_with_the_atoms_masses_as_ases(lj_calc64):
+    """The optimizers' unit masses are for their dynamics; FixCom keeps ASE's."""
+    start = rattled_bulk(repeat=2, seed=12, stdev=0.1)
+    start.set_masses(np.random.default_rng(13).uniform(1.0, 60.0, len(start)))
+    start.set_constraint(FixCom())
+    ours, reference = start.copy(), start.copy()
+    BFGS([cluster(), ours], model=lj_calc64.model, logfile=None).run(
+        fmax=1e-3, steps=20
+    )
+    reference.calc = _ase_calculator(lj_calc64.model)
+    AseBFGS(reference, logfile=None).run(fmax=1e-3, steps=20)
+    np.testing.assert_allclose(ours.positions, reference.positions, atol=1e-9)
+    np.testing.assert_allclose(
+        ours.get_center_of_mass(), start.get_center_of_mass(), atol=1e-10
+    )
+
+
 def test_constraints_added_between_runs_are_honoured(lj_calc64):
     atoms = rattled_bulk(repeat=2, seed=11, stdev=0.1)
     optimizer = BFGS(atoms, model=lj_calc64.model, logfile=None)

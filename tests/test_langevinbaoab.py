@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from ase import units
+from ase.io import read
 from ase.md.langevinbaoab import LangevinBAOAB as AseLangevinBAOAB
 from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
@@ -154,6 +155,59 @@ def test_per_structure_barostat_masses_follow_ases_heuristic(lj_calc64):
                 P_tau=P_TAU,
             )
         assert mass == pytest.approx(ase_dyn.barostat_mass, rel=1e-14)
+
+
+def _frames_with_stored_p_eps(dyn_class, atoms, path, steps, **options):
+    """ASE's NsH test's pattern: a trajectory, then an observer storing ``p_eps``."""
+
+    def store():
+        atoms.info["p_eps"] = dyn.p_eps
+        atoms.info["barostat_mass"] = dyn.barostat_mass
+
+    with pytest.warns(UserWarning, match="heuristic P_mass"):
+        dyn = dyn_class(atoms, DT, trajectory=str(path), **options)
+    dyn.attach(store)
+    dyn.run(steps)
+    dyn.close()
+    return read(path, ":"), dyn
+
+
+def test_p_eps_is_one_array_updated_in_place_as_ases(lj_calc64, tmp_path, monkeypatch):
+    """A stored ``p_eps`` follows the run; one structure's mass is a float (ASE).
+
+    ASE's full-cell ``p_eps`` becomes an array at the first step and is then
+    changed in place, so a trajectory frame written before the observer that
+    stores it holds its own step's momentum (ASE's NsH test counts on it).
+    """
+    monkeypatch.setattr(
+        AseLangevinBAOAB, "_barostat_BAOAB_OU_gamma_mod", _corrected_drag
+    )
+    start = _thermal_bulk(2, 3)
+    options = {"externalstress": FULL_STRESS, "P_tau": P_TAU}
+    ours, dyn = _frames_with_stored_p_eps(
+        LangevinBAOAB,
+        start.copy(),
+        tmp_path / "ours.traj",
+        5,
+        model=lj_calc64.model,
+        **options,
+    )
+    reference = start.copy()
+    reference.calc = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype="float64")
+    theirs, ase_dyn = _frames_with_stored_p_eps(
+        AseLangevinBAOAB, reference, tmp_path / "ase.traj", 5, **options
+    )
+    assert isinstance(dyn.barostat_mass, float)
+    assert dyn.barostat_mass == pytest.approx(ase_dyn.barostat_mass, rel=1e-14)
+    assert "p_eps" not in ours[0].info
+    assert "p_eps" not in theirs[0].info
+    assert ours[1].info["p_eps"] == theirs[1].info["p_eps"] == 0.0
+    for mine, their in zip(ours[2:], theirs[2:], strict=True):
+        assert np.abs(their.info["p_eps"]).max() > 0
+        np.testing.assert_allclose(
+            mine.info["p_eps"], their.info["p_eps"], rtol=1e-9, atol=0
+        )
+    np.testing.assert_allclose(ours[-1].info["p_eps"], dyn.p_eps, rtol=1e-14)
 
 
 # -- statistics -----------------------------------------------------------------------

@@ -293,6 +293,35 @@ def test_optimizers_with_fix_bond_length_agree_with_ases(ours, theirs, lj_calc64
         np.testing.assert_allclose(atoms.constraints[0].bondlengths, bonds, rtol=1e-14)
 
 
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [(FIRE, AseFIRE), (BFGS, AseBFGS)], ids=["FIRE", "BFGS"]
+)
+def test_optimizers_project_forces_with_the_atoms_masses_as_ase(
+    ours, theirs, lj_calc64
+):
+    """Unequal masses: ASE's ``adjust_forces`` weighs with ``get_masses()``.
+
+    The optimizers' own dynamics use unit masses; the constraint must not, or
+    the logged fmax and the steps differ from ASE's (and a trajectory frame's
+    forces, its constraint applied again on reading, from the log).
+    """
+    images = _argon_with_bonds()
+    rng = np.random.default_rng(24)
+    for atoms in images:
+        atoms.set_masses(rng.uniform(1.0, 60.0, len(atoms)))
+    references = [_ase_copy(a, lj_calc64.model) for a in images]
+    opt = ours(images, model=lj_calc64.model, logfile=None)
+    opt.run(fmax=0.01, steps=STEPS)
+    for atoms, reference in zip(images, references, strict=True):
+        theirs(reference, logfile=None).run(fmax=0.01, steps=STEPS)
+        np.testing.assert_allclose(
+            atoms.positions, reference.positions, rtol=0, atol=OPTIMIZER_POSITIONS_TOL
+        )
+        np.testing.assert_allclose(
+            atoms.get_forces(), reference.get_forces(), rtol=0, atol=1e-8
+        )
+
+
 # -- failures, the user's objects, files, restart ------------------------------------
 
 

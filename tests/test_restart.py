@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from ase import units
 from ase.filters import FrechetCellFilter, UnitCellFilter
+from ase.optimize import BFGS as AseBFGS
 
 from nvalchemi_ase.dynamics import checkpoint as checkpoint_module
 from nvalchemi_ase.dynamics.checkpoint import (
@@ -252,6 +253,54 @@ def test_restart_continues_bit_for_bit(name, tmp_path, lj_calc64):
         assert second.seed == 1
     if name in ("VelocityVerlet", "Langevin"):
         assert second.get_time() == pytest.approx(2 * steps * DT)
+
+
+def _on_the_moved_structures(filters, cell_filter, calc):
+    """New filters on copies of the structures a run left (ASE's restart test)."""
+    moved = []
+    for old in filters:
+        atoms = old.atoms.copy()
+        atoms.calc = calc
+        moved.append(cell_filter(atoms))
+    return moved
+
+
+@pytest.mark.parametrize(
+    "cell_filter", [FrechetCellFilter, UnitCellFilter], ids=lambda c: c.__name__
+)
+def test_restart_on_the_moved_structures_restores_the_filters_orig_cell(
+    cell_filter, tmp_path, lj_calc64
+):
+    """A filter built on the restarted structure gets the run's ``orig_cell``.
+
+    ASE's BFGS dumps the filter's ``orig_cell`` and sets it back on restart; the
+    filter coordinates (cell part log/linear in F = L0⁻¹ L) and the steps are
+    then the uninterrupted run's.
+    """
+    steps = 5
+    reference = BFGS(_filtered(lj_calc64, cell_filter), logfile=None)
+    _run(reference, 2 * steps)
+    filters = _filtered(lj_calc64, cell_filter)
+    origin = [np.array(f.orig_cell) for f in filters]
+    first = BFGS(filters, restart=tmp_path / "restart.npz", logfile=None)
+    _run(first, steps)
+    moved = _on_the_moved_structures(filters, cell_filter, lj_calc64)
+    second = BFGS(moved, restart=tmp_path / "restart.npz", logfile=None)
+    # ASE's own BFGS, restarted the same way from its own file, does the same
+    ase_filters = _filtered(lj_calc64, cell_filter)
+    ase_path = tmp_path / "ase.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # ASE: restart "untested"
+        AseBFGS(ase_filters[0], restart=str(ase_path), logfile=None).run(
+            fmax=FMAX, steps=steps
+        )
+        ase_moved = _on_the_moved_structures(ase_filters, cell_filter, lj_calc64)
+        AseBFGS(ase_moved[0], restart=str(ase_path), logfile=None)
+    np.testing.assert_array_equal(np.array(ase_moved[0].orig_cell), origin[0])
+    for restored, expected in zip(moved, origin, strict=True):
+        np.testing.assert_array_equal(np.array(restored.orig_cell), expected)
+    _run(second, steps)
+    _assert_same_state(reference, second)
 
 
 def test_fire_downhill_check_keeps_the_positions_it_would_go_back_to(

@@ -177,7 +177,8 @@ class BatchConstraints:
     ) -> None:
         self._batch_idx = batch.batch_idx.long()
         self._num_graphs = len(images)
-        self._masses = batch.atomic_masses.detach().unsqueeze(-1)
+        self._device = batch.positions.device
+        self._dtype = batch.positions.dtype
         self._categories = batch.atom_categories
         self._pbc = batch.pbc
         self._timestep = timestep
@@ -198,8 +199,12 @@ class BatchConstraints:
             name = unsupported_constraint(atoms)
             if name is not None:
                 raise ValueError(f"images[{index}] has unsupported constraint {name}")
-        device, dtype = self._masses.device, self._masses.dtype
+        device, dtype = self._device, self._dtype
         sizes = [len(atoms) for atoms in images]
+        # ASE's constraints weigh with ``atoms.get_masses()``, also in optimizers,
+        # whose batch carries unit masses for the fictitious dynamics
+        masses = np.concatenate([atoms.get_masses() for atoms in images])
+        self._masses = torch.as_tensor(masses, dtype=dtype, device=device).unsqueeze(-1)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         self.cartesian = _cartesian_mask(images, offsets, sum(sizes), device)
         com = [any(type(c) is FixCom for c in a.constraints) for a in images]

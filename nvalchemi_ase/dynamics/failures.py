@@ -104,7 +104,10 @@ class FailureLimits:
         steps move atoms by ~0.01-0.1 Å; 2 Å per step means the trajectory has
         stopped being physical. Optimizers default to the larger of 2 Å and
         twice their ``maxstep`` (ASE's default 0.2 Å; ASE's own tests use up
-        to 100 Å).
+        to 100 Å). When the cell moves, the distance is the atom's own, past
+        the step's homogeneous strain (``x_old L_old⁻¹ L_new``), which the
+        volume limit bounds: a cell filter's strain step moves a large cell's
+        far atoms by many Å.
     max_volume_factor : float
         Largest factor by which the cell volume may grow or shrink over a run
         relative to its start (default 4.0; variable-cell runs only can reach it).
@@ -480,7 +483,7 @@ class FailureGuard:
             ranges += [(-bound, bound)] * 2
         if previous is not None:
             bound = self.limits.max_displacement * _COMPONENT_BOUND
-            values += torch.aminmax(batch.positions - previous)
+            values += torch.aminmax(batch.positions - self._carried(batch, previous))
             ranges += [(-bound, bound)] * 2
         if self.variable_cell:
             ratio = _volumes(batch) / self._volume0
@@ -508,7 +511,7 @@ class FailureGuard:
                 return False
         previous = self._snapshot.get("positions") if self._has_snapshot else None
         if previous is not None and previous.numel():
-            delta = batch.positions - previous
+            delta = batch.positions - self._carried(batch, previous)
             largest = float((delta * delta).sum(dim=1).max())
             if largest > self.limits.max_displacement**2:
                 return False  # or a periodic wrap: the full check tells
@@ -518,6 +521,29 @@ class FailureGuard:
             if bool(((ratio > factor) | (ratio < 1.0 / factor)).any()):
                 return False
         return True
+
+    def _carried(self, batch: Batch, previous: torch.Tensor) -> torch.Tensor:
+        """``previous`` positions [V, 3] carried along by the step's cell change.
+
+        With a moving cell the displacement checked is the atoms' own, past
+        the homogeneous strain: a cell filter's step strains a large cell's
+        far atoms by many Å (ASE's ``StrainFilter`` moves nothing else), which
+        the volume limit bounds; ``x_old L_old⁻¹ L_new`` is where the strain
+        alone takes an atom.
+        """
+        old_cell = self._snapshot.get("cell") if self.variable_cell else None
+        if old_cell is None or old_cell.shape != batch.cell.shape:
+            return previous
+        index = batch.batch_idx.long()
+        old = old_cell.reshape(-1, 3, 3)
+        new = batch.cell.detach().reshape(-1, 3, 3)
+        solved = torch.linalg.solve_ex(old, new)  # L_old⁻¹ L_new, [B, 3, 3]
+        # an unchanged, singular (molecule) or non-finite cell: no strain
+        keep = (old == new).all(dim=(1, 2)) | (solved.info != 0)
+        keep |= ~torch.isfinite(solved.result).all(dim=(1, 2))
+        identity = torch.eye(3, dtype=old.dtype, device=old.device)
+        strain = torch.where(keep[:, None, None], identity, solved.result)
+        return torch.einsum("vj,vjk->vk", previous, strain[index])
 
     def _reason_codes(self, batch: Batch) -> torch.Tensor:
         """Per-structure reason code [B] (0: fine), highest-priority reason first."""
@@ -542,7 +568,7 @@ class FailureGuard:
             )
         previous = self._snapshot.get("positions") if self._has_snapshot else None
         if previous is not None and previous.shape == batch.positions.shape:
-            step = _displacements(batch, previous)
+            step = _displacements(batch, self._carried(batch, previous))
             checks.append(
                 (7, _max_per_graph(step, index, count) > self.limits.max_displacement)
             )

@@ -111,6 +111,12 @@ class CellFilterCoordinates:
     def __post_init__(self) -> None:
         self._reference_inverse = inverse3(self.reference)
 
+    def set_reference(self, reference: torch.Tensor) -> None:
+        """Take other reference cells L0 [B, 3, 3], Å (a restart's ``orig_cell``)."""
+        with torch.no_grad():
+            self.reference.copy_(reference)
+        self._reference_inverse = inverse3(self.reference)
+
     def deformation(self, cell: torch.Tensor) -> torch.Tensor:
         """ASE's ``deform_grad``: ``F = (L0⁻¹ L)ᵀ``, [B, 3, 3]."""
         return (self._reference_inverse @ cell).mT

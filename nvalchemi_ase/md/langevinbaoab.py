@@ -86,8 +86,9 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
     ----------
     T_tau, P_tau : float or None
         The time constants used, ASE time units.
-    barostat_mass : numpy.ndarray, shape (B,), or None
-        The barostat mass of each structure, eV (ASE time)².
+    barostat_mass : float, numpy.ndarray of shape (B,), or None
+        The barostat mass, eV (ASE time)²: a float for one structure (ASE),
+        one per structure for several.
     externalstress : float, numpy.ndarray (3, 3), or None
         As ASE stores it (a scalar when hydrostatic).
     """
@@ -129,6 +130,7 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         self._seed_drawn = rng is None and seed is None
         self._T_tau_given, self._P_tau_given = T_tau, P_tau
         self._P_mass_given, self.P_mass_factor = P_mass, float(P_mass_factor)
+        self._p_eps_live: npt.NDArray[np.float64] | None = None
         super().__init__(images, timestep, **kwargs)
 
     # -- ASE's defaults -----------------------------------------------------------
@@ -149,7 +151,17 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
         return 20.0 * T_tau if T_tau is not None else 1000.0 * self.dt
 
     @property
-    def barostat_mass(self) -> npt.NDArray[np.float64] | None:
+    def barostat_mass(self) -> Any:
+        """Barostat mass, eV (ASE time)² (None without a barostat).
+
+        One structure: a float, as ASE; several: shape (B,), one per structure.
+        """
+        masses = self._barostat_masses()
+        if masses is None or len(masses) != 1:
+            return masses
+        return float(masses[0])
+
+    def _barostat_masses(self) -> npt.NDArray[np.float64] | None:
         """Barostat mass of each structure, eV (ASE time)², shape (B,)."""
         if self.externalstress is None:
             return None
@@ -168,19 +180,51 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
 
         One structure: a float (``hydrostatic``) or a (3, 3) array, as ASE;
         several: shape (B,) or (B, 3, 3). 0.0 before the first step, as ASE.
+        As ASE's, the array is one object updated in place at every step
+        (ASE's ``p_eps += ...``): a reference kept, e.g. in ``atoms.info``,
+        follows the run, and a trajectory frame written before an observer
+        that stores it holds the value of its own step.
         """
         if self.externalstress is None:
             return None
+        value = self._current_p_eps()
+        if isinstance(value, np.ndarray):
+            if self._p_eps_live is None or self._p_eps_live.shape != value.shape:
+                self._p_eps_live = value
+            else:
+                self._p_eps_live[...] = value
+            return self._p_eps_live
+        return value
+
+    def _current_p_eps(self) -> Any:
+        """Return a fresh copy of the barostat momentum (see :attr:`p_eps`)."""
         state = engine_state(self.engine)
         count = len(self.images)
-        if state is None:
-            momentum = np.zeros((count, 3, 3))
-        else:
-            momentum = state.p_eps.detach().cpu().numpy().astype(np.float64)
+        if state is None or self.nsteps == 0:
+            return (
+                0.0
+                if count == 1
+                else np.zeros(count if self.hydrostatic else (count, 3, 3))
+            )
+        momentum = state.p_eps.detach().cpu().numpy().astype(np.float64)
         value: Any = momentum[:, 0, 0] if self.hydrostatic else momentum
         if count == 1:
             return float(value[0]) if self.hydrostatic else value[0]
         return value
+
+    def step(self) -> None:
+        """One step (ASE's ``step``); a :attr:`p_eps` array handed out follows it."""
+        super().step()
+        if not self._run_is_stepping:
+            self._refresh_properties()
+
+    def _refresh_properties(self) -> None:
+        """Bring a :attr:`p_eps` array already handed out to this step (ASE's)."""
+        super()._refresh_properties()
+        if self._p_eps_live is not None and self.externalstress is not None:
+            value = self._current_p_eps()
+            if isinstance(value, np.ndarray) and value.shape == self._p_eps_live.shape:
+                self._p_eps_live[...] = value
 
     def todict(self) -> dict[str, Any]:
         """ASE's description plus the thermostat and barostat parameters."""
@@ -269,7 +313,7 @@ class LangevinBAOAB(VariableCellMolecularDynamics):
             cell_langevin = self.temperature_K is not None and not (
                 self.disable_cell_langevin
             )
-            mass = self.barostat_mass
+            mass = self._barostat_masses()
             assert mass is not None  # noqa: S101 - with a barostat
             barostat = {
                 "external_stress": stress * np.eye(3) if stress.ndim == 0 else stress,

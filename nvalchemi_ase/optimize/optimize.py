@@ -24,6 +24,7 @@ from ase.constraints import FixAtoms
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.compose import MDPart, RelaxThenMD
 from nvalchemi_ase.dynamics.base import BatchedDynamics
+from nvalchemi_ase.dynamics.checkpoint import host_array
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.images import integer_argument, real_argument
 from nvalchemi_ase.dynamics.logs import is_template, open_log, per_structure_targets
@@ -188,6 +189,8 @@ class BatchedOptimizer(BatchedDynamics):
         if self.cell_filter is not None:
             extras["alignment"] = self._alignment
             extras["aligned_cell0"] = self._aligned_cell0
+        if self._cell_coordinates is not None:  # the filters' orig_cell (ASE dumps it)
+            extras["filter_reference"] = host_array(self._cell_coordinates.reference)
         return extras
 
     def _restore_checkpoint_extras(self, extras: dict[str, npt.NDArray[Any]]) -> None:
@@ -196,6 +199,30 @@ class BatchedOptimizer(BatchedDynamics):
         if self.cell_filter is not None:
             self._alignment = extras["alignment"]
             self._aligned_cell0 = extras["aligned_cell0"]
+        reference = extras.get("filter_reference")
+        if reference is not None and self._cell_coordinates is not None:
+            self._restore_filter_reference(reference)
+
+    def _restore_filter_reference(self, reference: npt.NDArray[np.float64]) -> None:
+        """Put the run's reference cells back in the engine and the user's filters.
+
+        A filter built on the restarted structure takes its current cell as
+        ``orig_cell``; ASE's BFGS restores the dumped one, so the filter
+        coordinates, and with them the steps, are those of the uninterrupted run.
+        """
+        assert self._cell_coordinates is not None  # noqa: S101 - checked by caller
+        assert self.cell_filter is not None  # noqa: S101 - coordinates imply one
+        coordinates = self._cell_coordinates
+        coordinates.set_reference(
+            torch.as_tensor(
+                reference,
+                dtype=coordinates.reference.dtype,
+                device=coordinates.reference.device,
+            )
+        )
+        name = "origcell" if self.cell_filter.kind == "StrainFilter" else "orig_cell"
+        for cell_filter, cell in zip(self.cell_filter.filters, reference, strict=True):
+            setattr(cell_filter, name, np.array(cell, dtype=np.float64))
 
     def _resize_mirror(
         self,

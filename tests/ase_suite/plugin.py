@@ -108,7 +108,29 @@ def _recording_class(ours: type, original: type, name: str) -> type:
         "__init__": init,
         "__module__": ours.__module__,
     }
-    return type(name, (ours,), namespace)
+    return _standing_for(original)(name, (ours,), namespace)
+
+
+def _standing_for(original: type) -> type:
+    """A metaclass whose classes also count ASE's ``original`` as their own.
+
+    ASE's code that names the swapped class at run time (``BFGS.load`` imports
+    ``ase.optimize.BFGS`` and asks ``isinstance(self, BFGS)``) still sees its
+    own subclasses (``CellAwareBFGS``), kept on ASE's base, as instances.
+    """
+
+    class StandsFor(type):
+        def __instancecheck__(cls, instance: Any) -> bool:
+            return type.__instancecheck__(cls, instance) or isinstance(
+                instance, original
+            )
+
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            return type.__subclasscheck__(cls, subclass) or issubclass(
+                subclass, original
+            )
+
+    return StandsFor
 
 
 def _images(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
