@@ -15,9 +15,10 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 # pytest-xdist workers: auto = one per core; 0 = no workers, one process.
 # loadgroup: tests spread one by one, except those marked
-# @pytest.mark.xdist_group(name), which share one worker (and its fixtures).
+# @pytest.mark.xdist_group(name), which share one worker (and its fixtures);
+# handed out longest first by recorded cost (tests/_costs.py, tests/conftest.py).
 TEST_WORKERS ?= auto
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: demo test test-fast lint bench notebooks clean
 
