@@ -15,10 +15,9 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 PYTEST_ARGS ?=
 # pytest-xdist workers: auto = one per core; 0 = no workers, one process.
 # loadgroup: tests spread one by one, except those marked
-# @pytest.mark.xdist_group(name), which share one worker (and its fixtures);
-# handed out longest first by recorded cost (tests/_costs.py, tests/conftest.py).
+# @pytest.mark.xdist_group(name), which share one worker (and its fixtures).
 TEST_WORKERS ?= auto
-XDIST := -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test test-fast lint bench notebooks clean
 

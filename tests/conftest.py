@@ -49,8 +49,6 @@ os.environ.setdefault(
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     _keep_module_fixtures_on_one_worker(items)
-    if getattr(config.option, "loadgroup", False):  # an xdist worker, loadgroup
-        _longest_work_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -81,34 +79,6 @@ def _keep_module_fixtures_on_one_worker(items):
             if last.scope != "function" and last.baseid == path:
                 item.add_marker(pytest.mark.xdist_group(path))
                 break
-
-
-def _group_of(item) -> str:
-    """The unit pytest-xdist's ``loadgroup`` hands to one worker: group or test."""
-    names = {
-        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-        for mark in item.iter_markers("xdist_group")
-    }
-    return "_".join(sorted(names)) or item.nodeid
-
-
-def _longest_work_first(items) -> None:
-    """Order the work units (groups, lone tests) by recorded cost, longest first.
-
-    ``make test`` hands units out in this order (``--no-loadscope-reorder``),
-    one to each worker as it runs dry: starting the long ones first keeps a
-    long one from starting last while the other workers sit idle. The costs
-    (seconds, :mod:`tests._costs`) only order the work; a stale or missing
-    entry costs time, never a result. Units of equal cost keep their order.
-    """
-    from tests._costs import cost_of
-
-    cost: dict[str, float] = {}
-    for item in items:
-        group = _group_of(item)
-        cost[group] = cost.get(group, 0.0) + cost_of(item.nodeid)
-    first = {group: index for index, group in enumerate(cost)}
-    items.sort(key=lambda item: (-cost[_group_of(item)], first[_group_of(item)]))
 
 
 @pytest.fixture(scope="session")
