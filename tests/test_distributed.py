@@ -154,15 +154,24 @@ def references(lj_calc64):
     }
 
 
-@pytest.mark.slow  # two ranks started by torchrun (~20 s each)
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> Path:
+    """Every run of :data:`RUNS` by two ranks, in one torchrun launch (~20 s)."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    torchrun("-m", "tests.distributed_worker", ",".join(RUNS), str(folder), str(COUNT))
+    return folder
+
+
+@pytest.mark.slow  # two ranks started by torchrun
 @pytest.mark.parametrize("kind", list(RUNS))
-def test_two_ranks_write_and_return_what_one_process_does(kind, references, tmp_path):
-    torchrun("-m", "tests.distributed_worker", kind, str(tmp_path), str(COUNT))
-    output = tmp_path / "out.extxyz"
+def test_two_ranks_write_and_return_what_one_process_does(
+    kind, references, two_rank_runs
+):
+    output = two_rank_runs / kind / "out.extxyz"
     written = read(output, ":")  # merged by rank 0, in input order
     _assert_same_structures(written, references[kind], kind=kind)
     for rank in (0, 1):  # every rank's list holds every structure
-        returned = read(tmp_path / f"returned.rank{rank}.extxyz", ":")
+        returned = read(output.with_name(f"returned.rank{rank}.extxyz"), ":")
         _assert_same_structures(returned, references[kind], kind=kind)
     assert shard_files(output) == []
     assert not failed_path(output).exists()
@@ -172,7 +181,8 @@ def test_two_ranks_write_and_return_what_one_process_does(kind, references, tmp_
 def test_two_ranks_resume_their_shards_of_a_killed_run(references, tmp_path):
     """Shard files as a killed two-rank run leaves them; resumed with two ranks."""
     expected = references["relax"]
-    output = tmp_path / "out.extxyz"
+    output = tmp_path / "relax" / "out.extxyz"  # where the worker writes
+    output.parent.mkdir()
     kept = {0: [0, 4, 10], 1: [1, 7]}
     for rank, indices in kept.items():
         frames = [expected[i].copy() for i in indices]
