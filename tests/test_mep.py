@@ -352,6 +352,85 @@ def test_relax_paths_batches_whole_paths_within_the_memory_budget(
         assert max_shift(one.images, other.images) < 1e-8
 
 
+def neighbours_per_image(calc, images: int):
+    """Record, per model call on the whole band batch, each image's neighbour count."""
+    forward = calc.model.forward
+    counts: list[torch.Tensor] = []
+
+    def counting_forward(data, **kwargs):
+        if data.num_graphs == images:
+            per_image = torch.zeros(images, dtype=torch.long)
+            per_image.index_add_(0, data.batch_idx.long(), data.num_neighbors.long())
+            counts.append(per_image)
+        return forward(data, **kwargs)
+
+    calc.model.forward = counting_forward
+    return counts
+
+
+def test_relax_paths_evaluates_endpoints_once_and_converged_paths_no_more(
+    eight_paths, monkeypatch
+):
+    from nvalchemi_ase.mep import engine
+    from nvalchemi_ase.mep.settled import SettledImages
+
+    pairs, counts = eight_paths
+    pairs, counts = [pairs[0], pairs[6]], [7, 5]  # a slab and a bulk cell
+    images = sum(counts)
+    budget = images * max(len(pair[0]) for pair in pairs)  # one batch, no probe
+    run = {"paths": pairs, "fmax": 0.01, "n_images": counts, "max_atoms": budget}
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    calls = neighbours_per_image(calc, images)
+    try:
+        results = relax_paths(**run, model=calc, interpolate="linear")
+    finally:
+        del calc.model.forward
+
+    # the reference: the same run evaluating every image at every step
+    class EveryImage(SettledImages):
+        def _empty(self, batch, graphs):
+            pass
+
+    monkeypatch.setattr(engine, "SettledImages", EveryImage)
+    reference_calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    full = neighbours_per_image(reference_calc, images)
+    try:
+        reference = relax_paths(**run, model=reference_calc, interpolate="linear")
+    finally:
+        del reference_calc.model.forward
+
+    steps = [result.steps for result in results]
+    assert steps == [result.steps for result in reference]
+    assert len(set(steps)) == 2  # one path converges first (26 and 27 steps)
+    # one call per step after the first evaluation, none after the run
+    assert len(calls) == len(full) == max(steps) + 1
+    assert all(bool((count > 0).all()) for count in full)
+    endpoint = torch.zeros(images, dtype=torch.bool)
+    endpoint[[0, counts[0] - 1, counts[0], images - 1]] = True
+    path_of = torch.repeat_interleave(torch.arange(2), torch.tensor(counts))
+    assert bool((calls[0] > 0).all())  # every image once
+    for step, count in enumerate(calls[1:], start=1):
+        assert not count[endpoint].any(), step
+        running = torch.tensor([step <= s for s in steps])[path_of] & ~endpoint
+        assert bool((count[running] > 0).all()), step
+        assert not count[~running].any(), step  # converged paths: no work
+    # and the numbers are those of evaluating every image
+    for result, expected in zip(results, reference, strict=True):
+        assert result.converged
+        assert expected.converged
+        assert max_shift(result.images, expected.images) < EXACT_POSITIONS
+        np.testing.assert_allclose(
+            result.energies, expected.energies, rtol=0, atol=1e-12
+        )
+        for image, other in zip(result.images, expected.images, strict=True):
+            np.testing.assert_allclose(
+                image.get_forces(apply_constraint=False),
+                other.get_forces(apply_constraint=False),
+                rtol=0,
+                atol=1e-12,
+            )
+
+
 def test_one_failing_path_stops_alone(eight_paths, lj_calc64):
     pairs, counts = eight_paths
     pairs, counts = [pairs[4], pairs[5], pairs[0]], [5, 5, 5]

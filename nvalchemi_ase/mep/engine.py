@@ -2,7 +2,8 @@
 
 Every image is one graph of an nvalchemi ``Batch`` and the batch's group layout
 says which images form a path, so bands of different lengths and sizes relax
-together: one model call per step for every image of every path, and
+together: one model call per step for every image of every path (the fixed
+endpoints only at the first), and
 ``nvalchemi.dynamics.mep.NEB`` (its NEB forces, climbing image, group-aware
 FIRE2 and per-path convergence) does the rest. This module adds what the
 engine leaves to its caller:
@@ -11,6 +12,10 @@ engine leaves to its caller:
   (:func:`~nvalchemi_ase.dynamics.neighbors.neighbor_hooks`);
 * failure isolation per path and the step each path converged at
   (:class:`~nvalchemi_ase.mep.monitor.PathMonitor`);
+* no model work on images that no longer move: each band's fixed endpoints
+  after the first evaluation and, on a CPU, the images of converged paths
+  (:class:`~nvalchemi_ase.mep.settled.SettledImages`, which also keeps the
+  final results, so none are evaluated again after the run);
 * fixed atoms: ``FixAtoms`` of a path's images become the engine's
   ``fixed_atom_indices`` for that path;
 * one cell per path where ASE leaves a cell vector zero (:func:`path_batch`);
@@ -29,11 +34,12 @@ from ase import Atoms
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase._quiet import import_quietly
-from nvalchemi_ase.convert import atoms_to_batch, batch_field, batch_results
+from nvalchemi_ase.convert import atoms_to_batch, batch_field
 from nvalchemi_ase.dynamics.base import DEFAULT_SKIN
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.dynamics.neighbors import neighbor_hooks
 from nvalchemi_ase.mep.monitor import EngineOutcome, PathMonitor, split_positions
+from nvalchemi_ase.mep.settled import SettledImages
 from nvalchemi_ase.models.locks import model_lock
 
 if TYPE_CHECKING:
@@ -41,7 +47,6 @@ if TYPE_CHECKING:
     from nvalchemi.models.base import BaseModelMixin
 
 __all__ = [
-    "final_results",
     "fixed_atoms",
     "path_batch",
     "relax_idpp",
@@ -241,6 +246,8 @@ def run_neb(
     mep = import_quietly("nvalchemi.dynamics.mep")
     batch = path_batch(bands, device, dtype)
     monitor = PathMonitor(batch, failure_limits or FailureLimits())
+    lists = neighbor_hooks(model, DEFAULT_SKIN)
+    settled = SettledImages(batch, lists)
     climbing = (
         mep.ClimbingImageConfig(mode="immediate", selection="dynamic")
         if climb
@@ -253,7 +260,7 @@ def run_neb(
         climbing=climbing,
         fmax=fmax,
         n_steps=steps,
-        neighbor_hooks=neighbor_hooks(model, DEFAULT_SKIN),
+        neighbor_hooks=[*lists, settled],  # settled before the engine's path hooks
         extra_hooks=monitor.hooks(),
         fixed_atom_indices=fixed_atoms(bands) or None,
         optimizer_kwargs={**ASE_FIRE_PARAMETERS, **(optimizer_kwargs or {})},
@@ -262,39 +269,7 @@ def run_neb(
     monitor.bind(engine)
     with model_lock(model), model.narrowed_outputs({"energy", "forces"}):
         engine.run(batch, n_steps=steps)
-        final = final_results(model, batch)
-    return monitor.outcome(batch, engine.step_count, final)
-
-
-def final_results(model: BaseModelMixin, batch: Batch) -> list[dict[str, Any]]:
-    """Evaluate the model once more at the batch's positions: results per image.
-
-    The engine's batch keeps NEB forces, not the model's, so the model is
-    evaluated once more, on that batch as it stands: its neighbour list (the
-    skin-aware hook's, checked before the last evaluation, and positions have
-    not moved since) serves, so nothing is converted from ``Atoms`` or rebuilt.
-    Same numbers as ``NVAlchemiCalculator.calculate_batch`` on the final images.
-
-    Parameters
-    ----------
-    model : BaseModelMixin
-        The run's model, its outputs narrowed to energy and forces.
-    batch : nvalchemi.data.Batch
-        The batch after the run.
-
-    Returns
-    -------
-    list of dict
-        One ASE results dict per image (energy eV, forces eV/Å), in batch order.
-    """
-    with torch.set_grad_enabled(model.requires_autograd):
-        outputs = model(batch)
-    detached = {
-        key: value.detach()
-        for key, value in outputs.items()
-        if key in ("energy", "forces") and isinstance(value, torch.Tensor)
-    }
-    return batch_results(batch, detached)
+    return monitor.outcome(batch, engine.step_count, settled.results(batch))
 
 
 def _write_positions(
