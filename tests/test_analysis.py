@@ -75,6 +75,36 @@ def test_rdf_equals_ase_for_every_structure_and_element_pair():
         assert result.g.max() > 1.0  # a structured solid, not an empty histogram
 
 
+def test_rdf_of_a_strongly_skewed_cell_up_to_half_its_width_equals_ase():
+    """Only the wrapped image is counted: exact up to rmax = half the width."""
+    atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat((2, 2, 2))
+    atoms.set_cell(
+        atoms.cell.array + np.array([[0, 0, 0], [6.0, 0, 0], [4.5, 5.0, 0]]),
+        scale_atoms=True,
+    )
+    frames = rattled_frames(atoms, 4, 3)
+    rmax = (
+        0.999
+        * float(
+            np.min(
+                atoms.cell.volume
+                / np.linalg.norm(
+                    np.cross(
+                        np.roll(atoms.cell.array, -1, 0),
+                        np.roll(atoms.cell.array, -2, 0),
+                    ),
+                    axis=1,
+                )
+            )
+        )
+        / 2
+    )
+    result = radial_distribution([frames], rmax=rmax, nbins=60)[0]
+    reference, _ = get_rdf(frames, rmax, 60)
+    np.testing.assert_allclose(result.g, reference, rtol=0, atol=ROUND_OFF)
+    assert result.g[-10:].sum() > 0  # pairs near rmax were counted
+
+
 def test_rdf_refuses_rmax_beyond_half_the_cell_naming_the_structure():
     structures = mixed_structures()
     with pytest.raises(ValueError, match=r"trajectories\[2\].*rmax=5 Å .* axis 2"):
