@@ -38,14 +38,8 @@ def main() -> None:
     kinds, folder = sys.argv[1].split(","), Path(sys.argv[2])
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 100
     rank = os.environ.get("RANK", "0")
-    if len(kinds) > 1:
-        # A runner that starts the default group destroys it when done, and a
-        # second one started in the same launch fails (gloo: "connectFullMesh
-        # failed ... Connection refused"): several runners need the script's
-        # own group, as here; a launch with one runner lets it start its own.
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
+    # No process group of the script's own: the first runner starts the
+    # default group and the later ones of the launch reuse it.
     for kind in kinds:
         (folder / kind).mkdir(parents=True, exist_ok=True)
         calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
@@ -57,8 +51,6 @@ def main() -> None:
             **RUNS[kind],
         )
         write_results(folder / kind / f"returned.rank{rank}.extxyz", returned)
-    if len(kinds) > 1:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

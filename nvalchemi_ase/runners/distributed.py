@@ -33,6 +33,7 @@ rendezvous, gloo collectives and ``all_gather_object``. A run with one rank (or
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -181,7 +182,8 @@ def sharding(distributed: bool | None = None) -> Iterator[Shard]:
     Shard
         This process's shard. A process group that is not initialised yet is
         started from the launcher's environment (``env://``, gloo, timeout
-        :data:`GROUP_TIMEOUT`) and destroyed on exit; one the caller started
+        :data:`GROUP_TIMEOUT`) and kept for the launch's later runner calls
+        (destroyed when the interpreter exits); one the caller started
         is used as it is, with a gloo group of the runners' own (destroyed on
         exit).
 
@@ -205,6 +207,9 @@ def sharding(distributed: bool | None = None) -> Iterator[Shard]:
                 "MASTER_ADDR, MASTER_PORT); start the script with torchrun"
             )
         dist.init_process_group("gloo", timeout=GROUP_TIMEOUT)
+        # kept for the next runner call of this launch: gloo cannot start a
+        # second default group from the same rendezvous once one is destroyed
+        atexit.register(_destroy_default_group)
         started = True
     # A group of the runners' own (gloo, long timeout) unless they started one.
     group = None if started else dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
@@ -219,10 +224,16 @@ def sharding(distributed: bool | None = None) -> Iterator[Shard]:
     try:
         yield shard
     finally:
-        if started:
-            dist.destroy_process_group()
-        elif group is not None:
+        if group is not None:
             dist.destroy_process_group(group)
+
+
+def _destroy_default_group() -> None:
+    """Destroy the default process group a runner started (at interpreter exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shard_path(path: str | Path, rank: int) -> Path:
