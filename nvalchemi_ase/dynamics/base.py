@@ -72,6 +72,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
+from nvalchemi_ase.dynamics.raw_results import RawResults
 from nvalchemi_ase.dynamics.run import BatchRun, atom_rows
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.models.locks import model_lock
@@ -640,6 +641,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.engine.register_hook(
                 freeze_hook(zero_velocities=self.velocities_are_momenta)
             )
+        self._configure_raw_results()
         if self.trajectories:
             self.trajectories = self.trajectories.resized(kept, trajectories)
         self._trajectory_frames0 = (
@@ -736,6 +738,7 @@ class BatchedDynamics(AseBaseDynamics):
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
+            outputs=self._raw_results.outputs(self.batch),
         )
         self._written_at[keep] = self.nsteps
         with torch.no_grad():
@@ -1037,7 +1040,13 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _builtin_hooks(self, skin: float) -> list[Any]:
         stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
-        hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
+        # the raw model outputs are copied before any constraint hook adjusts them
+        self._raw_results = RawResults()
+        hooks = [
+            *self._guard.hooks(stages),
+            self._raw_results.hook(stages),
+            *neighbor_hooks(self.model, skin),
+        ]
         frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
         if frozen and not self._engine_freezes_atoms():
             hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
@@ -1051,7 +1060,17 @@ class BatchedDynamics(AseBaseDynamics):
             hooks += self._constraints.hooks(
                 stages, momenta=self.velocities_are_momenta
             )
+        self._configure_raw_results()
         return hooks
+
+    def _configure_raw_results(self) -> None:
+        """Keep the model's raw forces/stress while constraints adjust the batch's."""
+        frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
+        self._raw_results.configure(
+            forces=(frozen and not self._engine_freezes_atoms())
+            or self._constraints.any,
+            stress=self._constraints.symmetry is not None,
+        )
 
     def _attach_calculators(self) -> None:
         for atoms in self.images:
@@ -1117,6 +1136,7 @@ class BatchedDynamics(AseBaseDynamics):
                 stages, momenta=self.velocities_are_momenta
             ):
                 self.engine.register_hook(hook)
+        self._configure_raw_results()
         self._constraints_written = _constraint_state(self.images)
         self._primed = False
 
