@@ -144,3 +144,26 @@ def test_fixsymmetry_under_a_cell_filter_keeps_the_raw_stress(lj_calc64):
     np.testing.assert_allclose(atoms.calc.results["stress"], raw, atol=TOL)
     np.testing.assert_allclose(atoms.get_stress(apply_constraint=False), raw, atol=TOL)
     np.testing.assert_allclose(atoms.get_stress(), symmetric, atol=TOL)
+
+
+def test_structures_kept_by_a_resize_keep_their_raw_forces(lj_calc64):
+    """Only the admitted structures are evaluated; the kept ones' raw rows stay."""
+    kept = rattled_bulk(repeat=2, seed=24, stdev=0.1)
+    kept.set_constraint(FixAtoms(indices=[0, 3]))
+    admitted = rattled_bulk(repeat=1, seed=25, stdev=0.1)  # 4 atoms
+    admitted.set_constraint(FixAtoms(indices=[1]))
+    optimizer = BFGS([cluster(), kept], model=lj_calc64.model, logfile=None)
+    optimizer.run(fmax=FMAX, steps=2)
+    optimizer.resize([1], [admitted])
+    optimizer.run(fmax=FMAX, steps=0)  # primes: evaluates the admitted one only
+    for atoms in optimizer.images:
+        bare = atoms.copy()
+        bare.set_constraint()
+        bare.calc = NVAlchemiCalculator(lj_calc64.model, device="cpu", dtype="float64")
+        raw = bare.get_forces()
+        assert np.abs(raw[atoms.constraints[0].index]).min() > 1e-4  # can fail
+        np.testing.assert_allclose(atoms.calc.results["forces"], raw, atol=TOL)
+        np.testing.assert_allclose(
+            atoms.get_forces(apply_constraint=False), raw, atol=TOL
+        )
+        assert not atoms.get_forces()[atoms.constraints[0].index].any()

@@ -580,13 +580,16 @@ class BatchedDynamics(AseBaseDynamics):
         self._absorb_failures(raise_now=False)  # flags read before renumbering
         old = self.batch
         rows = torch.as_tensor(kept, dtype=torch.long, device=old.device)
+        kept_atoms = atom_rows(old, rows)
         at_write = (
-            self._positions_at_write.index_select(0, atom_rows(old, rows)),
+            self._positions_at_write.index_select(0, kept_atoms),
             self._cell_at_write.index_select(0, rows),
         )
+        raw = self._raw_results.select(old, kept_atoms, rows)
         fresh = self._batch_of(arrivals) if arrivals else None
         self.batch_run.resize(kept, fresh, fresh_engine=self._engine_for_resize())
         self._resize_mirror(kept, arrivals, at_write, trajectories or [])
+        self._raw_results.carry(raw)
         self._prime_admitted(len(kept))
 
     def _engine_for_resize(self) -> Any:
@@ -1110,6 +1113,7 @@ class BatchedDynamics(AseBaseDynamics):
                 self.batch[key].copy_(fresh[key])
         self._refresh_neighbor_hooks()
         self._primed = False
+        self._raw_results.carry({})  # positions changed: every row is evaluated
         self._written = self._snapshot_atoms()
         with torch.no_grad():
             self._positions_at_write.copy_(self.batch.positions)

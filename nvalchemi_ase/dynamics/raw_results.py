@@ -35,6 +35,7 @@ class RawResults:
     def __init__(self) -> None:
         self._keys: tuple[str, ...] = ()
         self._saved: dict[str, torch.Tensor] = {}
+        self._carried: dict[str, torch.Tensor] = {}
 
     def configure(self, *, forces: bool, stress: bool) -> None:
         """Choose what to copy from the next evaluation on; forget older copies.
@@ -82,6 +83,37 @@ class RawResults:
                     rows = active if key == "stress" else active[batch.batch_idx.long()]
                     rows = rows.view(-1, *([1] * (value.dim() - 1)))
                     torch.where(rows, value, saved, out=saved)
+                carried = self._carried.get(key)
+                if carried is not None:
+                    self._saved[key][: carried.shape[0]] = carried
+        self._carried = {}
+
+    def select(
+        self, batch: Batch, atoms: torch.Tensor, graphs: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Return the copies' rows of some structures (those a resize keeps).
+
+        Parameters
+        ----------
+        batch : nvalchemi.data.Batch
+            The batch the copies were taken from.
+        atoms, graphs : torch.Tensor
+            Their atom rows and graph indices (long).
+        """
+        return {
+            key: saved.index_select(0, graphs if key == "stress" else atoms)
+            for key, saved in self.outputs(batch).items()
+        }
+
+    def carry(self, leading: dict[str, torch.Tensor]) -> None:
+        """Put ``leading`` into the first rows at the next :meth:`save`.
+
+        After a resize the kept structures lead the batch and the model
+        evaluates only the admitted ones; the kept ones' batch rows hold
+        adjusted values, so their raw copies (from :meth:`select`) come along.
+        An empty mapping cancels it (the kept structures moved since).
+        """
+        self._carried = dict(leading)
 
     def outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Return the raw values to report for ``batch`` (empty: the batch's own).
