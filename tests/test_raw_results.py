@@ -167,3 +167,51 @@ def test_structures_kept_by_a_resize_keep_their_raw_forces(lj_calc64):
             atoms.get_forces(apply_constraint=False), raw, atol=TOL
         )
         assert not atoms.get_forces()[atoms.constraints[0].index].any()
+
+
+def test_a_failed_structure_keeps_the_raw_forces_of_its_last_good_state(tmp_path):
+    """The guard puts back the last good state; its raw forces come with it."""
+    import warnings
+
+    from nvalchemi_ase.dynamics.failures import StructureFailedWarning
+
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    failing = rattled_bulk(repeat=2, seed=26, stdev=0.1)
+    failing.set_constraint(FixAtoms(indices=[2, 7]))
+    images = [failing, cluster()]
+    model = calc.model
+    original = model.forward
+    calls = {"n": 0}
+
+    def forward(batch, *args, **kwargs):  # NaN forces for graph 0 from call 3
+        outputs = original(batch, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            forces = outputs["forces"].clone()
+            forces[batch.batch_idx.long() == 0] = float("nan")
+            outputs["forces"] = forces
+        return outputs
+
+    model.forward = forward
+    try:
+        optimizer = BFGS(
+            images,
+            model=model,
+            logfile=None,
+            trajectory=str(tmp_path / "{i}.traj"),
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StructureFailedWarning)
+            optimizer.run(fmax=FMAX, steps=4)
+    finally:
+        model.__dict__.pop("forward", None)
+    assert [failure.index for failure in optimizer.failures] == [0]
+    bare = failing.copy()
+    bare.set_constraint()
+    bare.calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    raw = bare.get_forces()
+    assert np.abs(raw[[2, 7]]).min() > 1e-4  # the check can fail
+    np.testing.assert_allclose(failing.calc.results["forces"], raw, atol=TOL)
+    last = read(tmp_path / "0.traj", -1)
+    np.testing.assert_allclose(last.positions, failing.positions, atol=TOL)
+    np.testing.assert_allclose(last.get_forces(apply_constraint=False), raw, atol=TOL)

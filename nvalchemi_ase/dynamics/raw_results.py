@@ -13,6 +13,7 @@ while a force-changing constraint exists: unconstrained runs pay nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +31,17 @@ class RawResults:
 
     Register :meth:`hook` after the failure guard's hooks and before every
     constraint hook; :meth:`configure` says whether (and what) to copy.
+
+    Parameters
+    ----------
+    failed : callable, optional
+        Returns the failure guard's [B] bool mask of failed structures; their
+        copies are not replaced (the guard put back their last good state,
+        whose raw values are the copies already held).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, failed: Callable[[], torch.Tensor] | None = None) -> None:
+        self._failed = failed
         self._keys: tuple[str, ...] = ()
         self._saved: dict[str, torch.Tensor] = {}
         self._carried: dict[str, torch.Tensor] = {}
@@ -67,6 +76,10 @@ class RawResults:
             ``active_graph_mask``); the others keep their earlier copies, as
             their batch rows hold already adjusted values. None: every graph.
         """
+        if self._failed is not None and self._keys:
+            failed = self._failed()
+            if failed.shape[0] == batch.num_graphs:
+                active = ~failed if active is None else active & ~failed
         for key in self._keys:
             value = batch_field(batch, key)
             if value is None:
