@@ -347,6 +347,7 @@ def update_atoms(
     rotation: npt.NDArray[np.float64] | None = None,
     positions: bool | npt.NDArray[np.bool_] = True,
     only: Sequence[int] | npt.NDArray[np.intp] | None = None,
+    outputs: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write a batch's state back into existing ``Atoms``, in place.
 
@@ -384,6 +385,12 @@ def update_atoms(
     only : sequence of int, optional
         Write these structures only (indices into ``images``, all B given);
         the others are not touched. Default: every structure.
+    outputs : mapping of str to torch.Tensor, optional
+        Results to report instead of the batch's fields of the same name, e.g.
+        ``forces`` [V, 3] eV/Å and ``stress`` [B, 3, 3] eV/Å³ as the model gave
+        them before constraint hooks adjusted the batch's (ASE's calculator
+        results are the raw ones; ``atoms.get_forces()`` applies the
+        constraints).
 
     Raises
     ------
@@ -391,7 +398,7 @@ def update_atoms(
         If the numbers of structures or atoms differ (nothing is written).
     """
     atoms_list = as_atoms_list(images)
-    host = _HostCopy(batch, rotation=rotation)
+    host = _HostCopy(batch, outputs, rotation=rotation)
     _check_same_shape(atoms_list, host)
     count = len(atoms_list)
     chosen = range(count) if only is None else [int(k) for k in only]

@@ -72,6 +72,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
+from nvalchemi_ase.dynamics.raw_results import RawResults
 from nvalchemi_ase.dynamics.run import BatchRun, atom_rows
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.models.locks import model_lock
@@ -579,13 +580,16 @@ class BatchedDynamics(AseBaseDynamics):
         self._absorb_failures(raise_now=False)  # flags read before renumbering
         old = self.batch
         rows = torch.as_tensor(kept, dtype=torch.long, device=old.device)
+        kept_atoms = atom_rows(old, rows)
         at_write = (
-            self._positions_at_write.index_select(0, atom_rows(old, rows)),
+            self._positions_at_write.index_select(0, kept_atoms),
             self._cell_at_write.index_select(0, rows),
         )
+        raw = self._raw_results.select(old, kept_atoms, rows)
         fresh = self._batch_of(arrivals) if arrivals else None
         self.batch_run.resize(kept, fresh, fresh_engine=self._engine_for_resize())
         self._resize_mirror(kept, arrivals, at_write, trajectories or [])
+        self._raw_results.carry(raw)
         self._prime_admitted(len(kept))
 
     def _engine_for_resize(self) -> Any:
@@ -640,6 +644,7 @@ class BatchedDynamics(AseBaseDynamics):
             self.engine.register_hook(
                 freeze_hook(zero_velocities=self.velocities_are_momenta)
             )
+        self._configure_raw_results()
         if self.trajectories:
             self.trajectories = self.trajectories.resized(kept, trajectories)
         self._trajectory_frames0 = (
@@ -736,6 +741,7 @@ class BatchedDynamics(AseBaseDynamics):
             rotation=rotation,
             positions=moved,
             only=None if every else keep,
+            outputs=self._raw_results.outputs(self.batch),
         )
         self._written_at[keep] = self.nsteps
         with torch.no_grad():
@@ -1037,7 +1043,13 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _builtin_hooks(self, skin: float) -> list[Any]:
         stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
-        hooks = [*self._guard.hooks(stages), *neighbor_hooks(self.model, skin)]
+        # the raw model outputs are copied before any constraint hook adjusts them
+        self._raw_results = RawResults(failed=lambda: self._guard.failed)
+        hooks = [
+            *self._guard.hooks(stages),
+            self._raw_results.hook(stages),
+            *neighbor_hooks(self.model, skin),
+        ]
         frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
         if frozen and not self._engine_freezes_atoms():
             hooks.append(freeze_hook(zero_velocities=self.velocities_are_momenta))
@@ -1051,7 +1063,17 @@ class BatchedDynamics(AseBaseDynamics):
             hooks += self._constraints.hooks(
                 stages, momenta=self.velocities_are_momenta
             )
+        self._configure_raw_results()
         return hooks
+
+    def _configure_raw_results(self) -> None:
+        """Keep the model's raw forces/stress while constraints adjust the batch's."""
+        frozen = bool((self.batch.atom_categories == FROZEN_CATEGORY).any())
+        self._raw_results.configure(
+            forces=(frozen and not self._engine_freezes_atoms())
+            or self._constraints.any,
+            stress=self._constraints.symmetry is not None,
+        )
 
     def _attach_calculators(self) -> None:
         for atoms in self.images:
@@ -1091,6 +1113,7 @@ class BatchedDynamics(AseBaseDynamics):
                 self.batch[key].copy_(fresh[key])
         self._refresh_neighbor_hooks()
         self._primed = False
+        self._raw_results.carry({})  # positions changed: every row is evaluated
         self._written = self._snapshot_atoms()
         with torch.no_grad():
             self._positions_at_write.copy_(self.batch.positions)
@@ -1117,6 +1140,7 @@ class BatchedDynamics(AseBaseDynamics):
                 stages, momenta=self.velocities_are_momenta
             ):
                 self.engine.register_hook(hook)
+        self._configure_raw_results()
         self._constraints_written = _constraint_state(self.images)
         self._primed = False
 
