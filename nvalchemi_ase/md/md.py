@@ -335,15 +335,13 @@ class BatchedMolecularDynamics(BatchedDynamics):
             current = getattr(self, name)
             now = np.asarray(current, dtype=np.float64)
             if name in given:
-                unit = _UNITS.get(name, "see the docstring")
-                admitted = real_arguments(name, given[name], unit)
-                if admitted.ndim == 0:
-                    admitted = np.full(count, float(admitted))
-                if admitted.shape != (count,):
-                    raise ValueError(
-                        f"parameters[{name!r}] has shape {admitted.shape}; give one "
-                        f"value or one per admitted structure ({count})"
-                    )
+                admitted = _one_per_structure(
+                    name,
+                    given[name],
+                    count,
+                    f"parameters[{name!r}]",
+                    f"admitted structure ({count})",
+                )
             elif now.ndim == 0:
                 values[name] = current  # the admitted structures share it
                 continue
@@ -521,15 +519,10 @@ class BatchedMolecularDynamics(BatchedDynamics):
         argument and its unit (``np.asarray("300", dtype=float)`` would accept
         the string).
         """
-        array = real_arguments(name, value, _UNITS.get(name, "see the docstring"))
         count = len(self.images) if self._sizing is None else self._sizing
-        if array.ndim == 0:
-            array = np.full(count, float(array))
-        if array.shape != (count,):
-            raise ValueError(
-                f"{name} has shape {array.shape}; give one value or one per structure "
-                f"({count} values)"
-            )
+        array = _one_per_structure(
+            name, value, count, name, f"structure ({count} values)"
+        )
         bad = ~np.isfinite(array) | (array <= minimum if strict else array < minimum)
         if bad.any():
             index = int(np.flatnonzero(bad)[0])
@@ -650,3 +643,22 @@ def _positive(name: str, value: float) -> float:
     if not np.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be positive and finite ({unit}), got {value}")
     return value
+
+
+def _one_per_structure(
+    name: str, value: Any, count: int, label: str, each: str
+) -> npt.NDArray[np.float64]:
+    """``value`` (one number, or ``count`` numbers) as ``count`` floats.
+
+    Raises ``TypeError`` for non-numbers (naming ``name`` and its unit) and
+    ``ValueError`` naming ``label`` for another length ("give one value or one
+    per ``each``").
+    """
+    array = real_arguments(name, value, _UNITS.get(name, "see the docstring"))
+    if array.ndim == 0:
+        array = np.full(count, float(array))
+    if array.shape != (count,):
+        raise ValueError(
+            f"{label} has shape {array.shape}; give one value or one per {each}"
+        )
+    return array
