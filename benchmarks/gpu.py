@@ -31,12 +31,12 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run import BENCHMARKS, Report, Settings, environment, settings_for
+from benchmarks.harness import Report, Settings, environment, settings_for
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -246,24 +246,37 @@ def peak_memory(settings: Settings, report: Report) -> None:
 # -- the suite ------------------------------------------------------------------
 
 
-def _sections() -> dict[str, Callable[[Settings, Report], Any]]:
+#: The sections of ``python -m benchmarks`` this suite runs too.
+SHARED_SECTIONS = ("overhead", "sequential", "runners", "runners-sevennet")
+
+Section = Callable[[Settings, Report], Any]
+
+
+def _sections(benchmarks: Mapping[str, Section]) -> dict[str, Section]:
     return {
         "gpu-tests": lambda settings, report: gpu_tests(report),
         "peak-memory": peak_memory,
-        "overhead": BENCHMARKS["overhead"],
-        "sequential": BENCHMARKS["sequential"],
-        "runners": BENCHMARKS["runners"],
-        "runners-sevennet": BENCHMARKS["runners-sevennet"],
+        **{name: benchmarks[name] for name in SHARED_SECTIONS},
     }
 
 
-def run_suite(device: str, quick: bool, output_dir: Path, time_limit: float) -> Outcome:
-    """Run every section that fits the time limit; write the JSON and markdown."""
+def run_suite(
+    device: str,
+    quick: bool,
+    output_dir: Path,
+    time_limit: float,
+    benchmarks: Mapping[str, Section],
+) -> Outcome:
+    """Run every section that fits the time limit; write the JSON and markdown.
+
+    ``benchmarks`` are :data:`benchmarks.run.BENCHMARKS` (passed in, so this
+    module does not import the runner that imports it).
+    """
     settings = suite_settings(device, quick)
     report = Report()
     outcome = Outcome(seconds={}, skipped=[], tests={})
     start = time.perf_counter()
-    for name, section in _sections().items():
+    for name, section in _sections(benchmarks).items():
         left = time_limit - (time.perf_counter() - start)
         if left < (0.0 if quick else ROOM_NEEDED[name]):
             outcome.skipped.append(name)

@@ -125,7 +125,7 @@ def numpy_msd(positions: np.ndarray, cell: np.ndarray, lags: int) -> np.ndarray:
 
 
 def files_row(calc: Any, sizes: Sizes, repeats: int) -> list[str]:
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
     from nvalchemi_ase.analysis import mean_squared_displacement, radial_distribution
 
     trajectories = stored_trajectories(calc, sizes)
@@ -164,7 +164,7 @@ def files_row(calc: Any, sizes: Sizes, repeats: int) -> list[str]:
 def md_row(calc: Any, sizes: Sizes, repeats: int) -> list[str]:
     from ase.md.verlet import VelocityVerlet as AseVelocityVerlet
 
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
     from nvalchemi_ase import NVAlchemiCalculator
     from nvalchemi_ase.analysis import RDFObserver, TransportObserver
     from nvalchemi_ase.md import VelocityVerlet
@@ -255,7 +255,7 @@ def run(settings: Any, report: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this benchmark alone and print its table."""
-    from benchmarks.run import Report
+    from benchmarks.harness import Report
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.md_analysis")
     parser.add_argument("--repeats", type=int, default=3)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.run import Report, Settings, interleaved_samples, load_average
+from benchmarks.harness import Report, Settings, interleaved_samples, load_average
 
 STRUCTURES = 32
 FIRE_STEPS = 20

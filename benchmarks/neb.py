@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.run import Report, Settings
+    from benchmarks.harness import Report, Settings
 
 ARGON_A = 5.26  # Å
 FMAX = 0.05  # eV/Å
@@ -97,7 +97,7 @@ def ase_neb(
 
 def neb_paths(settings: Settings, report: Report) -> None:
 
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
     from nvalchemi_ase import NVAlchemiCalculator
     from nvalchemi_ase.mep import relax_paths
 
@@ -170,7 +170,7 @@ def copper_vacancy_hop(repeat: tuple[int, int, int]) -> tuple[Any, Any]:
 def neb_sevennet(settings: Settings, report: Report) -> None:
     """The NEB comparison on SevenNet-0: vacancy hops in small copper cells."""
 
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
     from nvalchemi_ase import NVAlchemiCalculator
     from nvalchemi_ase.mep import relax_paths
 

@@ -344,7 +344,7 @@ def sizes(case: Case, quick: bool, repeats: int) -> tuple[int, int, int]:
 
 def table(case: Case, quick: bool, repeats: int, report: Any) -> None:
     """Run ``case`` and add its table to ``report``."""
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
 
     count, repeats, warmup = sizes(case, quick, repeats)
     rows = compare(
@@ -379,7 +379,7 @@ def run_sevennet(settings: Any, report: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this benchmark alone and print its table."""
-    from benchmarks.run import Report
+    from benchmarks.harness import Report
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.properties")
     parser.add_argument("--model", choices=sorted(CASES), default="lj")

@@ -126,7 +126,7 @@ def defects_sequential(calc: Any, crystals: list[Atoms], fmax: float) -> np.ndar
 
 def compare(case: Case, repeats: int, warmup: int, quick: bool) -> list[list[str]]:
     """Time both workflows both ways; one table row each."""
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
     from nvalchemi_ase import NVAlchemiCalculator
     from nvalchemi_ase.properties import defect_formation_energies, surface_energies
 
@@ -309,7 +309,7 @@ def run_sevennet(settings: Any, report: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this benchmark alone and print its table."""
-    from benchmarks.run import Report
+    from benchmarks.harness import Report
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.surfaces_defects")
     parser.add_argument("--model", choices=sorted(CASES), default="lj")

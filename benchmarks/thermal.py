@@ -194,7 +194,7 @@ def _voigt(tensor: np.ndarray) -> np.ndarray:
 
 def kappa_row(repeats: int) -> list[str]:
     """Time both κ sides in alternation; one table row."""
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
 
     calc = _smooth_lj()
     materials = kappa_materials()
@@ -218,7 +218,7 @@ def kappa_row(repeats: int) -> list[str]:
 
 def qha_row(repeats: int) -> list[str]:
     """Time both QHA sides in alternation; one table row."""
-    from benchmarks.run import interleaved_medians
+    from benchmarks.harness import interleaved_medians
 
     calc = _smooth_lj()
     materials = qha_materials()
@@ -289,7 +289,7 @@ def run(settings: Any, report: Any, which: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this benchmark alone and print its table."""
-    from benchmarks.run import Report
+    from benchmarks.harness import Report
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.thermal")
     parser.add_argument("--only", choices=("kappa", "qha"), default=None)

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.run import Report, Samples, load_average, ratio_spread
+from benchmarks.harness import Report, Samples, load_average, ratio_spread
 
 FMAX = 0.05  # eV/Å
 STEPS = 1000
@@ -488,7 +488,7 @@ def md_case(
 
 def thermalized(structures: list[Any], temperature_K: float) -> list[Any]:
     """Copies with Maxwell-Boltzmann momenta (seeded per structure)."""
-    from benchmarks.run import thermalized as draw
+    from benchmarks.harness import thermalized as draw
 
     return [
         draw(atoms.copy(), temperature_K, seed) for seed, atoms in enumerate(structures)
