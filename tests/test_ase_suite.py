@@ -31,7 +31,6 @@ EXPECTED_FAILURES = {
     "Langevin has no c1..c5 (BAOAB)": [
         "md/test_langevin_asapcompat.py::test_langevin_asapcompat",
     ],
-    "ghost atoms (Z = 0) refused": ["test_stress.py::test_stress"],
     "no per-atom stresses": ["md/test_idealgas.py::test_idealgas"],
     "1000-step KL bound holds for ASE's random stream only": [
         "md/test_position_distribution.py::test_position_distribution",

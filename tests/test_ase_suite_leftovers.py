@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from ase import Atoms, units
 from ase.build import bulk
+from ase.calculators.lj import LennardJones
+from ase.md import VelocityVerlet as AseVelocityVerlet
 from ase.md import thermalize_momenta
+from ase.neighborlist import neighbor_list
 from ase.optimize import FIRE as AseFIRE
 from ase.optimize import RestartError
 
 from nvalchemi_ase import NVAlchemiCalculator
-from nvalchemi_ase.convert import StructureError
+from nvalchemi_ase.convert import StructureError, atoms_to_batch
 from nvalchemi_ase.dynamics.checkpoint import CheckpointError
 from nvalchemi_ase.dynamics.failures import FailureLimits
 from nvalchemi_ase.md import Bussi, Langevin, VelocityVerlet
+from nvalchemi_ase.models import load_model
+from nvalchemi_ase.models.builtin import ARGON
 from nvalchemi_ase.optimize import BFGS, FIRE
+from tests._tolerances import EXACT
+from tests.helpers import assert_same_snapshot, snapshot
+from tests.structures import A_AR, cluster, rattled_bulk
 
 ENERGY_TOL = 1e-8  # eV, same algorithm and float64 model on both sides
 
@@ -153,16 +162,119 @@ def test_langevin_has_ases_bath_attributes_not_its_splitting(lj_calc64):
     assert not any(hasattr(dyn, name) for name in ASE_LANGEVIN_SPLITTING)
 
 
-def test_ghost_atoms_are_refused_before_any_model_call(lj_calc64):
-    """ase/test/test_stress.py uses bulk('X'); here Z = 0 is named and refused."""
-    atoms = bulk("X", "fcc", a=1.5)
-    atoms.calc = lj_calc64
-    with pytest.raises(StructureError, match=r"numbers\[0\].*outside 1-118"):
+def _with_ghosts(atoms, every):
+    """``atoms`` with every ``every``-th atom made ASE's ghost atom X (Z = 0)."""
+    atoms.numbers[::every] = 0
+    return atoms
+
+
+def _ghost_batch():
+    """Structures with and without ghost atoms, of different sizes and kinds."""
+    return [
+        _with_ghosts(rattled_bulk(repeat=2), every=5),  # 32 atoms, 7 ghosts
+        rattled_bulk(repeat=3, seed=2),  # 108 argon atoms, no ghost
+        _with_ghosts(cluster(), every=4),  # 55 atoms, no cell
+        bulk("X", "fcc", a=A_AR),  # one ghost, primitive cell
+    ]
+
+
+def _ase_lennard_jones(atoms):
+    """``atoms`` on ASE's own LJ with this package's argon parameters."""
+    reference = atoms.copy()
+    reference.calc = LennardJones(
+        epsilon=ARGON["epsilon"],
+        sigma=ARGON["sigma"],
+        rc=ARGON["cutoff"],
+        ro=ARGON["cutoff"],
+        smooth=False,
+    )
+    return reference
+
+
+def _ase_pair_shift(atoms) -> float:
+    """ASE's LJ energy minus nvalchemi's: ASE shifts each pair by -u(rc)."""
+    ratio = ARGON["sigma"] / ARGON["cutoff"]
+    u_rc = 4 * ARGON["epsilon"] * (ratio**12 - ratio**6)
+    return -(len(neighbor_list("i", atoms, ARGON["cutoff"])) // 2) * u_rc
+
+
+def test_ghost_atoms_with_lj_match_ases_lj_in_one_batch(lj_calc64):
+    """ase/test/test_stress.py relaxes bulk('X') with LJ, which reads no element."""
+    images = _ghost_batch()
+    before = [snapshot(atoms) for atoms in images]
+    results = lj_calc64.calculate_batch(images, ["energy", "forces", "stress"])
+    for snap, atoms in zip(before, images, strict=True):
+        assert_same_snapshot(snap, atoms)
+    tol = EXACT[torch.float64]
+    for atoms, result in zip(images, results, strict=True):
+        reference = _ase_lennard_jones(atoms)
+        scale = max(1.0, np.abs(reference.get_forces()).max())
+        np.testing.assert_allclose(
+            result["forces"], reference.get_forces(), rtol=0, atol=tol * scale
+        )
+        assert result["energy"] == pytest.approx(
+            reference.get_potential_energy() - _ase_pair_shift(atoms),
+            rel=tol,
+            abs=tol * len(atoms),
+        )
+        if atoms.pbc.all():
+            np.testing.assert_allclose(
+                result["stress"], reference.get_stress(), rtol=0, atol=tol * 1e-2
+            )
+        else:
+            assert "stress" not in result
+
+
+def test_ghost_atoms_carry_ases_mass_through_md(lj_calc64):
+    """X has mass 1.0 amu in ASE; VelocityVerlet moves it as ASE's does."""
+    images = _ghost_batch()[:3]
+    batch = atoms_to_batch(images, device="cpu")
+    np.testing.assert_array_equal(
+        batch.atomic_masses.numpy(),
+        np.concatenate([atoms.get_masses() for atoms in images]),
+    )
+    assert (batch.atomic_numbers.numpy() == 0).sum() == 7 + 14
+    references = []
+    for index, atoms in enumerate(images):
+        thermalize_momenta(atoms, 30.0, rng=np.random.default_rng(seed=index))
+        references.append(_ase_lennard_jones(atoms))
+    for atoms in images:
+        atoms.calc = lj_calc64
+    VelocityVerlet(images, 2 * units.fs).run(10)
+    for atoms, reference in zip(images, references, strict=True):
+        AseVelocityVerlet(reference, 2 * units.fs).run(10)
+        np.testing.assert_allclose(
+            atoms.positions, reference.positions, rtol=0, atol=POSITION_TOL
+        )
+        np.testing.assert_array_equal(atoms.numbers, reference.numbers)
+
+
+@pytest.mark.parametrize("name", ["d3", "demo", "lj+d3"])
+def test_a_model_indexing_by_element_refuses_ghosts_naming_the_atom(name):
+    """ML and D3 models index tables by Z: a ghost is named before any work."""
+    model = load_model(name)
+    calc = NVAlchemiCalculator(model, device="cpu")
+    images = [rattled_bulk(repeat=2), _with_ghosts(rattled_bulk(repeat=2), every=9)]
+    images[1].numbers[0] = 18  # the first ghost is atom 9
+    before = [snapshot(atoms) for atoms in images]
+    with pytest.raises(StructureError) as info:
+        calc.calculate_batch(images)
+    message = str(info.value)
+    assert message.startswith("images[1].numbers[9]: ")
+    assert "cannot evaluate X (atom 9 is X, Z = 0)" in message
+    assert "remove the ghost atoms" in message
+    assert (info.value.index, info.value.field) == (1, "numbers[9]")
+    for snap, atoms in zip(before, images, strict=True):
+        assert_same_snapshot(snap, atoms)
+
+
+def test_sevennet_refuses_ghosts_naming_the_atom():
+    pytest.importorskip("sevenn")
+    calc = NVAlchemiCalculator("sevennet-0", device="cpu")
+    atoms = _with_ghosts(bulk("Cu", cubic=True), every=3)
+    atoms.calc = calc
+    with pytest.raises(StructureError, match=r"^images\[0\]\.numbers\[0\]: .*Z = 0"):
         atoms.get_potential_energy()
-    argon = atoms.copy()
-    argon.numbers[:] = 18  # what to do instead: LJ does not read the element
-    argon.calc = lj_calc64
-    assert np.isfinite(argon.get_potential_energy())
 
 
 POSITION_TOL = 1e-10  # Å, same algorithm and float64 model on both sides

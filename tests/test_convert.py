@@ -214,6 +214,31 @@ def test_batch_to_atoms_attaches_results_with_stress_only_for_full_cells():
     assert "stress" not in slab_back.calc.results
 
 
+def test_ghost_atoms_round_trip_with_ases_mass():
+    """ASE's ghost atom X (Z = 0, 1.0 amu) is carried; which models take it is
+    the model check's business (tests/test_ase_suite_leftovers.py)."""
+    ghosts = thermalize(rattled_bulk(repeat=2), 50.0, seed=3)
+    ghosts.numbers[::4] = 0
+    images = [rattled_bulk(repeat=1), ghosts, Atoms("X", positions=[[0, 0, 0]])]
+    before = [snapshot(atoms) for atoms in images]
+    batch = atoms_to_batch(images, device="cpu")
+    np.testing.assert_array_equal(
+        batch.atomic_numbers.numpy(), np.concatenate([a.numbers for a in images])
+    )
+    np.testing.assert_array_equal(
+        batch.atomic_masses.numpy(), np.concatenate([a.get_masses() for a in images])
+    )
+    for original, restored in zip(images, batch_to_atoms(batch), strict=True):
+        np.testing.assert_array_equal(restored.numbers, original.numbers)
+        np.testing.assert_array_equal(restored.get_masses(), original.get_masses())
+        assert "masses" not in restored.arrays
+        np.testing.assert_allclose(
+            restored.get_momenta(), original.get_momenta(), rtol=1e-13, atol=1e-15
+        )
+    for snap, atoms in zip(before, images, strict=True):
+        assert_same_snapshot(snap, atoms)
+
+
 @pytest.mark.parametrize(
     ("make", "field", "pattern"),
     [
@@ -227,8 +252,8 @@ def test_batch_to_atoms_attaches_results_with_stress_only_for_full_cells():
             "positions[2]",
             "not finite",
         ),
-        (lambda a: a.numbers.__setitem__(1, 0), "numbers[1]", "outside 1-118"),
-        (lambda a: a.numbers.__setitem__(4, 119), "numbers[4]", "outside 1-118"),
+        (lambda a: a.numbers.__setitem__(1, -1), "numbers[1]", "outside 0-118"),
+        (lambda a: a.numbers.__setitem__(4, 119), "numbers[4]", "outside 0-118"),
         (lambda a: a.cell.__setitem__(2, 0.0), "cell", "periodic .* zero"),
         (lambda a: a.set_masses(-np.ones(len(a))), "masses[0]", "not positive"),
         (

@@ -232,6 +232,10 @@ def test_skewed_basis_of_a_sane_lattice_passes_the_distance_check():
 
 def test_builtin_models_declare_their_elements():
     assert supported_elements(load_model("lj")) is None  # LJ ignores numbers
+    # a composed model admits what all its parts admit (D3's tables here)
+    assert supported_elements(load_model("lj+d3")) == supported_elements(
+        load_model("d3")
+    )
     demo = load_model("demo")
     embedding = demo.model.embedding.num_embeddings  # DemoModel(num_atom_types=100)
     assert supported_elements(demo) == frozenset(range(1, embedding))

@@ -12,8 +12,8 @@ ASE                        Batch field (level, shape)  notes
 =========================  ==========================  ===============================
 ``positions``              ``positions`` (atoms,       Å, not wrapped
                            [V, 3])
-``numbers``                ``atomic_numbers`` (atoms,  int32 as ``from_atoms``; 1-118
-                           [V])
+``numbers``                ``atomic_numbers`` (atoms,  int32 as ``from_atoms``; 0-118
+                           [V])                        (0: ghost atom ``X``)
 ``cell``                   ``cell`` (system,           rows are lattice vectors in both
                            [B, 3, 3])                  codes; left-handed cells kept
 zero cell vectors on       ``cell`` padding rows and   a non-periodic axis with a zero
@@ -178,7 +178,8 @@ def check_images(
     """Validate structures before any work, as :func:`atoms_to_batch` does, and more.
 
     Without a model this runs exactly the checks of :func:`atoms_to_batch`
-    (nothing is built): at least one atom; atomic numbers 1-118; finite
+    (nothing is built): at least one atom; atomic numbers 0-118 (0 is
+    ASE's ghost atom ``X``, mass 1.0 amu as in ASE); finite
     positions, cell, momenta and charges; positive masses; per-atom arrays of
     one row per atom and a numeric dtype; a lattice vector on every periodic
     axis; ``FixAtoms`` indices inside the structure (negative ones count from
@@ -187,7 +188,8 @@ def check_images(
     closer than :data:`MIN_DISTANCE`. With a model it also checks
 
     * the elements against the model's (``model.supported_elements``, see
-      :func:`nvalchemi_ase.models.supported_elements`);
+      :func:`nvalchemi_ase.models.supported_elements`): ghost atoms (Z = 0)
+      only for a model that reads no element (None, e.g. LJ) or that lists 0;
     * that no periodic axis is so thin against ``cutoff + skin`` (the model's
       ``model_config.neighbor_config.cutoff``) that the neighbour search would
       need more than :data:`MAX_PERIODIC_IMAGES` images per side.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,9 @@ _CARRIED_ARRAYS = frozenset(
 _CARRIED_INFO = frozenset({"charge", "spin"})
 
 
-#: Largest atomic number a structure may hold (oganesson).
+#: Largest atomic number a structure may hold (oganesson). The smallest is 0,
+#: ASE's ghost atom ``X`` (mass 1.0 amu in ASE's table); whether a model can
+#: evaluate it is the model's business (:func:`check_images` with a model).
 MAX_ATOMIC_NUMBER = 118
 
 
@@ -95,3 +98,23 @@ class _Stacked:
 def _structure_of(atom_index: int, ptr: npt.NDArray[np.int64]) -> tuple[int, int]:
     structure = int(np.searchsorted(ptr, atom_index, side="right") - 1)
     return structure, int(atom_index - ptr[structure])
+
+
+def _refuse_first_atom(
+    bad_v: npt.NDArray[np.bool_],
+    ptr: npt.NDArray[np.int64],
+    field: str,
+    problem: Callable[[int], str],
+    fix: str,
+) -> None:
+    """Raise :class:`StructureError` for the first atom flagged in ``bad_v``.
+
+    ``bad_v`` [V] flags atoms of the stacked structures (``ptr`` [B + 1] their
+    offsets); the error names the structure and ``field[atom]`` within it.
+    ``problem`` is given the flagged atom's stacked index.
+    """
+    flagged = np.flatnonzero(bad_v)
+    if flagged.size:
+        first = int(flagged[0])
+        structure, atom = _structure_of(first, ptr)
+        raise StructureError(structure, f"{field}[{atom}]", problem(first), fix)

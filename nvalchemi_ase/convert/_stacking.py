@@ -14,8 +14,8 @@ from nvalchemi_ase.convert._close_pairs import _check_distances
 from nvalchemi_ase.convert._common import (
     MAX_ATOMIC_NUMBER,
     StructureError,
+    _refuse_first_atom,
     _Stacked,
-    _structure_of,
 )
 from nvalchemi_ase.convert._validation import (
     _check_atom_arrays,
@@ -64,24 +64,20 @@ def _stack(atoms_list: list[Atoms]) -> _Stacked:
 def _check_atoms_fields(
     numbers: npt.NDArray[Any], positions: npt.NDArray[Any], ptr: npt.NDArray[np.int64]
 ) -> None:
-    bad = np.flatnonzero(~np.isfinite(positions).all(axis=1))
-    if bad.size:
-        structure, atom = _structure_of(int(bad[0]), ptr)
-        raise StructureError(
-            structure,
-            f"positions[{atom}]",
-            f"is not finite ({positions[bad[0]].tolist()})",
-            "fix or remove that structure; nothing was computed",
-        )
-    bad = np.flatnonzero((numbers < 1) | (numbers > MAX_ATOMIC_NUMBER))
-    if bad.size:
-        structure, atom = _structure_of(int(bad[0]), ptr)
-        raise StructureError(
-            structure,
-            f"numbers[{atom}]",
-            f"atomic number {int(numbers[bad[0]])} is outside 1-118",
-            "use real elements (ghost atoms 'X' = 0 cannot be simulated)",
-        )
+    _refuse_first_atom(
+        ~np.isfinite(positions).all(axis=1),
+        ptr,
+        "positions",
+        lambda bad: f"is not finite ({positions[bad].tolist()})",
+        "fix or remove that structure; nothing was computed",
+    )
+    _refuse_first_atom(
+        (numbers < 0) | (numbers > MAX_ATOMIC_NUMBER),
+        ptr,
+        "numbers",
+        lambda bad: f"atomic number {int(numbers[bad])} is outside 0-118",
+        "use real elements, or ghost atoms 'X' (0) where the model allows them",
+    )
 
 
 def _check_cells(cell: npt.NDArray[np.float64], pbc: npt.NDArray[np.bool_]) -> None:
@@ -121,15 +117,13 @@ def _gather_masses(
         custom = atoms.arrays.get("masses")
         if custom is not None:
             masses[ptr[index] : ptr[index + 1]] = custom
-    bad = np.flatnonzero(~(masses > 0) | ~np.isfinite(masses))
-    if bad.size:
-        structure, atom = _structure_of(int(bad[0]), ptr)
-        raise StructureError(
-            structure,
-            f"masses[{atom}]",
-            f"mass {masses[bad[0]]} is not positive",
-            "set positive masses in amu (atoms.set_masses)",
-        )
+    _refuse_first_atom(
+        ~(masses > 0) | ~np.isfinite(masses),
+        ptr,
+        "masses",
+        lambda bad: f"mass {masses[bad]} is not positive",
+        "set positive masses in amu (atoms.set_masses)",
+    )
     return masses
 
 
@@ -141,15 +135,13 @@ def _gather_velocities(
         atoms_momenta = atoms.arrays.get("momenta")
         if atoms_momenta is not None:
             momenta[ptr[index] : ptr[index + 1]] = atoms_momenta
-    bad = np.flatnonzero(~np.isfinite(momenta).all(axis=1))
-    if bad.size:
-        structure, atom = _structure_of(int(bad[0]), ptr)
-        raise StructureError(
-            structure,
-            f"momenta[{atom}]",
-            "is not finite",
-            "fix the momenta or remove them with atoms.set_momenta(None)",
-        )
+    _refuse_first_atom(
+        ~np.isfinite(momenta).all(axis=1),
+        ptr,
+        "momenta",
+        lambda bad: "is not finite",
+        "fix the momenta or remove them with atoms.set_momenta(None)",
+    )
     return momenta_to_velocities(momenta, masses)
 
 

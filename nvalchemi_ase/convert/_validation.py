@@ -25,6 +25,7 @@ from nvalchemi_ase.convert._common import (
     MAX_PERIODIC_IMAGES,
     NotCarriedWarning,
     StructureError,
+    _refuse_first_atom,
     _Stacked,
     _structure_of,
 )
@@ -95,15 +96,13 @@ def _check_finite_charges(
 ) -> None:
     if charges is None:
         return
-    bad = np.flatnonzero(~np.isfinite(charges))
-    if bad.size:
-        structure, atom = _structure_of(int(bad[0]), ptr)
-        raise StructureError(
-            structure,
-            f"initial_charges[{atom}]",
-            f"charge {charges[bad[0]]} is not finite",
-            "set finite charges in e (atoms.set_initial_charges)",
-        )
+    _refuse_first_atom(
+        ~np.isfinite(charges),
+        ptr,
+        "initial_charges",
+        lambda bad: f"charge {charges[bad]} is not finite",
+        "set finite charges in e (atoms.set_initial_charges)",
+    )
 
 
 def _check_model_fit(stacked: _Stacked, model: Any, skin: float) -> None:
@@ -118,7 +117,12 @@ def _check_model_fit(stacked: _Stacked, model: Any, skin: float) -> None:
 
 
 def _supported_elements(model: Any) -> frozenset[int] | None:
-    """Return the atomic numbers ``model`` can evaluate, None for any."""
+    """Return the atomic numbers ``model`` can evaluate, None for any.
+
+    None admits every element and ghost atoms ``X`` (Z = 0): the model does
+    not index anything by atomic number (LJ, Ewald, PME). A composed model
+    (nvalchemi's ``PipelineModelWrapper``) admits what all its parts admit.
+    """
     declared = getattr(model, "supported_elements", None)
     if declared is not None:
         try:
@@ -134,7 +138,19 @@ def _supported_elements(model: Any) -> frozenset[int] | None:
         embedding = getattr(getattr(model, "model", None), "embedding", None)
         if isinstance(embedding, torch.nn.Embedding):
             return frozenset(range(1, int(embedding.num_embeddings)))
-    return None
+    return _parts_elements(model)
+
+
+def _parts_elements(model: Any) -> frozenset[int] | None:
+    """Return the elements all parts of a pipeline admit (None: any, or no pipeline)."""
+    groups = getattr(model, "groups", None)
+    if not isinstance(groups, list):
+        return None
+    parts = [step.model for group in groups for step in getattr(group, "steps", ())]
+    declared = [
+        elements for elements in map(_supported_elements, parts) if elements is not None
+    ]
+    return frozenset.intersection(*declared) if declared else None
 
 
 def _check_elements(stacked: _Stacked, elements: frozenset[int], name: str) -> None:
@@ -148,13 +164,23 @@ def _check_elements(stacked: _Stacked, elements: frozenset[int], name: str) -> N
     numbers = stacked.numbers_v[ptr[structure] : ptr[structure + 1]]
     missing = [chemical_symbols[z] for z in np.unique(numbers[~known[numbers]])]
     number = int(stacked.numbers_v[bad[0]])
+    fix = (
+        f"it supports {len(elements)} elements ({_element_ranges(elements)}); "
+        "remove or replace those atoms, or use a model trained on them"
+    )
+    if number == 0:
+        fix = (
+            f"a ghost atom is no element for {name}, whose parameters are indexed "
+            f"by atomic number (it has {_element_ranges(elements)}); remove the "
+            "ghost atoms (del atoms[atoms.numbers == 0]), or use a model that "
+            "reads no elements (e.g. 'lj')"
+        )
     raise StructureError(
         structure,
         f"numbers[{atom}]",
         f"{name} cannot evaluate {', '.join(missing)} (atom {atom} is "
         f"{chemical_symbols[number]}, Z = {number})",
-        f"it supports {len(elements)} elements ({_element_ranges(elements)}); "
-        "remove or replace those atoms, or use a model trained on them",
+        fix,
     )
 
 

@@ -76,10 +76,13 @@ with an attribute, which any user model can set too::
 
     model.supported_elements = frozenset({1, 6, 7, 8})  # H, C, N, O
 
-``None`` (or no attribute) means any element. SevenNet-0 declares the 89
-elements of its checkpoint's type map; nvalchemi's demo model embeds the atomic
-number itself (``DemoModel(num_atom_types=100)``: 1-99); Lennard-Jones ignores
-atomic numbers (None).
+``None`` (or no attribute) means any element, ASE's ghost atom ``X`` (Z = 0)
+included: the model indexes nothing by atomic number. SevenNet-0 declares the 89
+elements of its checkpoint's type map, MACE its z table, AIMNet2 its species, D3
+its tables; nvalchemi's demo model embeds the atomic number itself
+(``DemoModel(num_atom_types=100)``: 1-99); Lennard-Jones, Ewald and PME ignore
+atomic numbers (None: ghost atoms get the same numbers as any element, e.g.
+ASE's ``bulk("X")`` with LJ). A composed model admits what all its parts admit.
 """
 
 from __future__ import annotations
@@ -369,7 +372,7 @@ def model_native_dtype(model: BaseModelMixin) -> torch.dtype | None:
 
 
 def supported_elements(model: BaseModelMixin) -> frozenset[int] | None:
-    """Return the atomic numbers a model can evaluate, or None for any element.
+    """Return the atomic numbers a model can evaluate, or None for any (0 included).
 
     Parameters
     ----------
@@ -382,8 +385,9 @@ def supported_elements(model: BaseModelMixin) -> frozenset[int] | None:
         ``model.supported_elements`` when the model declares it (an iterable of
         atomic numbers; None means any); for nvalchemi's ``DemoModelWrapper``,
         whose embedding is indexed by the atomic number, 1 to
-        ``num_atom_types - 1``; otherwise None (e.g. Lennard-Jones, which
-        ignores atomic numbers).
+        ``num_atom_types - 1``; for a composed model, the elements all its
+        parts declare; otherwise None (e.g. Lennard-Jones, which ignores atomic
+        numbers and so admits ghost atoms, Z = 0).
 
     Raises
     ------

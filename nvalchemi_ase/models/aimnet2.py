@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nvalchemi_ase._quiet import import_quietly
+from nvalchemi_ase.convert import MAX_ATOMIC_NUMBER
 from nvalchemi_ase.models import registry
 from nvalchemi_ase.models.weights import find_weights
 
@@ -242,7 +243,8 @@ def load_aimnet2(
         [B, 1] eV, ``forces`` [V, 3] eV/Å, ``charges`` [V] e and, opt-in,
         ``stress`` [B, 3, 3] eV/Å³ (tensile positive). Neighbour list: matrix,
         full, at the model's cutoff (5 Å for the published files). Attributes
-        ``supported_elements`` (the file's implemented species) and
+        ``supported_elements`` (the file's implemented species; 1-118 when it
+        names none, never 0, aimnet's padding atom) and
         ``aimnet2_metadata`` (aimnet's metadata: ``cutoff``, ``needs_coulomb``,
         ``needs_dispersion``, ``d3_params``, ...).
 
@@ -303,8 +305,10 @@ def _wrap(raw: torch.nn.Module, metadata: dict[str, Any], charged: bool) -> Any:
         model = wrapper_class(raw.eval()).eval()
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    species = metadata.get("implemented_species") or None
-    model.supported_elements = None if species is None else frozenset(species)
+    # A file that does not name its species still indexes embeddings by atomic
+    # number, with 0 as aimnet's padding atom: every real element, no ghosts.
+    species = metadata.get("implemented_species") or range(1, MAX_ATOMIC_NUMBER + 1)
+    model.supported_elements = frozenset(int(z) for z in species)
     model.aimnet2_metadata = metadata
     model.supports_charged_systems = charged and (
         metadata.get("supports_charged_systems") is not False
