@@ -101,7 +101,7 @@ def _structure_of(atom_index: int, ptr: npt.NDArray[np.int64]) -> tuple[int, int
 
 
 def _refuse_first_atom(
-    bad_v: npt.NDArray[np.bool_],
+    bad_v: npt.ArrayLike,
     ptr: npt.NDArray[np.int64],
     field: str,
     problem: Callable[[int], str],
