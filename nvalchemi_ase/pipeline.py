@@ -75,10 +75,12 @@ Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -93,9 +95,19 @@ from nvalchemi_ase.compose import (
     check_parts,
 )
 from nvalchemi_ase.devices import GROUP_TIMEOUT
+from nvalchemi_ase.dynamics.checkpoint import (
+    DEFAULT_RESTART_INTERVAL,
+    Checkpoint,
+    CheckpointError,
+    checkpoint_fix,
+    read_checkpoint,
+)
+from nvalchemi_ase.dynamics.checkpoint import write_checkpoint as save_checkpoint
 from nvalchemi_ase.dynamics.failures import StructureFailure
+from nvalchemi_ase.dynamics.job import job_entries, job_mismatch
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
+from nvalchemi_ase.identity import MD_FIELDS, structure_digests
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
 __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
@@ -172,6 +184,8 @@ class RelaxThenMDPipeline:
         trajectory: TrajectoryLike = None,
         logfile: LogfileLike = None,
         loginterval: int = 1,
+        restart: str | os.PathLike[str] | None = None,
+        restart_interval: int | None = None,
     ) -> None:
         check_parts(optimizer, md, operator="|")
         _check_no_constraints(md.images)
@@ -189,10 +203,16 @@ class RelaxThenMDPipeline:
         ]
         if with_restart:
             raise ValueError(
-                f"optimizer | md has no checkpoints yet, and {with_restart[0]} was "
-                "given restart=: its own checkpoint of one rank's batch could not "
-                "continue the pipeline; create the parts without restart=, or use "
-                "optimizer + md (restart=) in one process"
+                f"optimizer | md checkpoints both ranks together, and "
+                f"{with_restart[0]} was given restart=: its own checkpoint of one "
+                "rank's batch could not continue the pipeline; create the parts "
+                "without restart= and give it to the pipeline "
+                "(optimizer.pipe(md, restart=PATH))"
+            )
+        if restart is not None and optimizer.trajectories:
+            raise ValueError(
+                "optimizer | md with restart= continues the trajectories it writes "
+                "itself: give trajectory= to the pipeline, not to the optimizer"
             )
         if md.trajectories:
             raise ValueError(
@@ -218,9 +238,8 @@ class RelaxThenMDPipeline:
         self.nsteps = 0
         self._trajectory_paths: list[Path] = []
         if trajectory is not None:
-            # checked (and existing files removed, as ASE does) on every rank
             targets = TrajectorySet(
-                trajectory, count, append=False, description=self._description
+                trajectory, count, append=True, description=self._description
             )
             if any(path is None for path in targets.paths):
                 raise ValueError(
@@ -229,6 +248,29 @@ class RelaxThenMDPipeline:
                     "objects: each rank is its own process"
                 )
             self._trajectory_paths = [p for p in targets.paths if p is not None]
+        self.restart = None if restart is None else os.fspath(restart)
+        self.restart_interval = (
+            DEFAULT_RESTART_INTERVAL if restart_interval is None else restart_interval
+        )
+        if not int(self.restart_interval) >= 1:
+            raise ValueError(
+                f"restart_interval must be >= 1 (steps), got {restart_interval}"
+            )
+        self.restart_interval = int(self.restart_interval)
+        self._checkpoints = None
+        manifest = None
+        if self.restart is not None:
+            # the job a checkpoint must belong to: inputs, model and settings
+            job = _job_identity(self, self._trajectory_paths, logfile)
+            self._checkpoints = _Checkpoints(Path(self.restart), job)
+            manifest = self._checkpoints.read(self.images, md)
+        if manifest is None:
+            for path in self._trajectory_paths:  # as ASE does, on every rank
+                path.unlink(missing_ok=True)
+        else:
+            self._take_manifest(manifest)
+        #: Continued from a checkpoint (``restart=`` named an existing one).
+        self.continued = manifest is not None
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -253,7 +295,9 @@ class RelaxThenMDPipeline:
         Parameters
         ----------
         steps : int
-            Limit on steps (each is one step of each rank).
+            Steps to run at most from :attr:`nsteps` (each is one step of each
+            rank; a continued run counts from its checkpoint's step, as the
+            single-process classes do).
 
         Returns
         -------
@@ -270,22 +314,31 @@ class RelaxThenMDPipeline:
             raise ValueError(f"steps must be >= 0, got {steps}")
         import torch.distributed as dist
 
+        limit = self.nsteps + steps
         with _process_group(self.md.setup.device) as group:
             rank = dist.get_rank()
-            frames = self._frame_writer(rank)
+            saved = None
+            if self._checkpoints is not None and self.continued:
+                saved = self._checkpoints.rank_state(rank)
+            frames = self._frame_writer(rank, saved)
             stage: _Relaxation | _Dynamics = (
                 _Relaxation(self, frames)
                 if rank == RELAX_RANK
                 else _Dynamics(self, frames)
             )
-            log = self._open_log(rank)
+            log = self._open_log(rank, saved)
             done = False
             try:
-                report = stage.start()
+                report = stage.start() if saved is None else stage.resume(saved)
                 for _ in range(steps + 1):
                     self._exchange(report, stage, group)
                     done = bool((self.stage >= FINISHED).all())
-                    if done or self.nsteps == steps:
+                    ending = done or self.nsteps == limit
+                    if self._checkpoints is not None and self.nsteps > 0:
+                        self._checkpoints.write_if_due(
+                            self, stage, frames, group, ending=ending
+                        )
+                    if ending:
                         break
                     report = stage.advance()
                     self.nsteps += 1
@@ -298,7 +351,7 @@ class RelaxThenMDPipeline:
             gathered: list[Any] = [None] * dist.get_world_size()
             # also the barrier after which rank 1's frame files are complete
             dist.all_gather_object(gathered, stage.final_states(), group=group)
-            self._write_back(gathered[1 - rank])
+            self.write_back(gathered[1 - rank])
             if self._trajectory_paths:
                 if rank == RELAX_RANK:
                     self._join_trajectories(done)
@@ -327,7 +380,7 @@ class RelaxThenMDPipeline:
         if isinstance(stage, _Dynamics):
             stage.admit(relaxed["arrivals"], self.nsteps)
 
-    def _write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
+    def write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
         """Write the other rank's final states into this rank's ``Atoms``."""
         for index, state in states:
             atoms = self.images[index]
@@ -353,15 +406,65 @@ class RelaxThenMDPipeline:
             for path in self._trajectory_paths
         ]
 
-    def _frame_writer(self, rank: int) -> TrajectorySet | None:
-        """Return this rank's frame files (an earlier run's removed), or None."""
+    def _frame_writer(
+        self, rank: int, saved: _RankState | None
+    ) -> TrajectorySet | None:
+        """Return this rank's frame files, or None.
+
+        A new run removes an earlier run's; a continued one cuts them back to
+        the frames its checkpoint counted (a killed run may have written more)
+        and appends.
+        """
+        self._frames_at_start = np.zeros(len(self.images), dtype=np.int64)
         if not self._trajectory_paths:
             return None
         part = "relax" if rank == RELAX_RANK else "md"
         paths = [str(path) for path in self._temporary_paths(part)]
-        return TrajectorySet(
-            paths, len(paths), append=False, description=self._description
+        frames = TrajectorySet(
+            paths, len(paths), append=saved is not None, description=self._description
         )
+        if saved is not None:
+            counts = saved.tags[_FRAMES_TAG].astype(np.int64)
+            frames.truncate(counts)
+            self._frames_at_start = counts
+        return frames
+
+    def frame_counts(self, frames: TrajectorySet | None) -> npt.NDArray[np.int64]:
+        """Frames in this rank's files now, per structure (for a checkpoint)."""
+        written = 0 if frames is None else frames.written
+        return self._frames_at_start + written
+
+    def _take_manifest(self, manifest: Checkpoint) -> None:
+        """Take the shared state of a checkpoint (the same on both ranks)."""
+        shared = manifest.group("pipeline")
+        self.nsteps = int(manifest.meta["nsteps"])
+        self.stage = shared["stage"].astype(np.int64)
+        self.relax_steps = shared["relax_steps"].astype(np.int64)
+        self.failures = [
+            StructureFailure(int(index), int(step), str(reason))
+            for index, step, reason in zip(
+                shared["failure_index"],
+                shared["failure_step"],
+                shared["failure_reason"],
+                strict=True,
+            )
+        ]
+
+    def shared_arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """Return the state both ranks hold alike, for the manifest."""
+        return {
+            "pipeline/stage": self.stage.copy(),
+            "pipeline/relax_steps": self.relax_steps.copy(),
+            "pipeline/failure_index": np.array(
+                [f.index for f in self.failures], dtype=np.int64
+            ),
+            "pipeline/failure_step": np.array(
+                [f.step for f in self.failures], dtype=np.int64
+            ),
+            "pipeline/failure_reason": np.array(
+                [f.reason for f in self.failures], dtype=str
+            ).reshape(-1),
+        }
 
     def _join_trajectories(self, done: bool) -> None:
         """Rank 0: each structure's relaxation then MD frames into its file.
@@ -370,6 +473,10 @@ class RelaxThenMDPipeline:
         with copies of its final state (with the stress of its last frame) up
         to the fused run's last step, as ``optimizer + md`` goes on writing
         finished structures until the last one finishes.
+
+        With ``restart=`` the hidden files of a run that did not finish stay
+        (the checkpoint's frames, appended to when it continues); a finished
+        job's are removed, and running it again leaves its files as they are.
         """
         from ase.calculators.singlepoint import SinglePointCalculator
         from ase.io.trajectory import Trajectory
@@ -379,6 +486,9 @@ class RelaxThenMDPipeline:
         last = int(np.delete(ends, finished).max(initial=0))
         pad_to = last if done and self.md_steps is not None else None
         relax, md = self._temporary_paths("relax"), self._temporary_paths("md")
+        if self.restart is not None and not any(p.exists() for p in relax + md):
+            return  # a finished job run again: its files are whole
+        keep_parts = self.restart is not None and not done
         for index, target in enumerate(self._trajectory_paths):
             joined = target.with_name(f".{target.name}.tmp")
             with Trajectory(joined, "w") as writer:
@@ -405,17 +515,37 @@ class RelaxThenMDPipeline:
                     for _ in range(pad):
                         writer.write(atoms)
             os.replace(joined, target)
-            relax[index].unlink(missing_ok=True)
-            md[index].unlink(missing_ok=True)
+            if not keep_parts:
+                relax[index].unlink(missing_ok=True)
+                md[index].unlink(missing_ok=True)
 
-    def _open_log(self, rank: int) -> Any:
-        """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path)."""
+    def log_path(self, rank: int) -> Path | None:
+        """Return the log file of ``rank`` (rank 1: ``STEM.rank1SUFFIX``), or None."""
+        target = self.logfile
+        if not target or not isinstance(target, str | os.PathLike) or target == "-":
+            return None
+        path = Path(target)
+        if rank == MD_RANK:
+            path = path.with_name(f"{path.stem}.rank1{path.suffix}")
+        return path
+
+    def _open_log(self, rank: int, saved: _RankState | None) -> Any:
+        """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path).
+
+        A continued run cuts the file back to its size at the checkpoint
+        (lines a killed run wrote after it would repeat) and writes no header.
+        """
         target = self.logfile
         if not target:
             return None
-        if rank == MD_RANK and isinstance(target, str | os.PathLike) and target != "-":
-            path = Path(target)
-            target = str(path.with_name(f"{path.stem}.rank1{path.suffix}"))
+        path = self.log_path(rank)
+        if rank == MD_RANK and path is not None:
+            target = str(path)
+        if saved is not None:
+            size = int(saved.tags[_LOG_TAG][0])
+            if path is not None and path.exists() and 0 <= size < path.stat().st_size:
+                os.truncate(path, size)
+            return open_log(target)
         log = open_log(target)
         if rank == RELAX_RANK:
             header = ("Step", "relax", "sent", "Epot/N[eV]", "fmax[eV/A]")
@@ -475,6 +605,35 @@ class _Relaxation:
         self._first = self.optimizer.irun(fmax=0.0, steps=1, sync_atoms=False)
         next(self._first)
         return self._report()
+
+    def resume(self, saved: _RankState) -> dict[str, Any]:
+        """Continue the optimizer from its checkpoint (a step >= 1).
+
+        The run goes on as ``irun(fmax)``, whose start checks the
+        checkpoint's state again: the structures it finds converged were
+        handed over before the checkpoint (``sent``), so nothing is sent.
+        """
+        _restartable(self.optimizer).continue_from(saved.path)
+        self.sent = saved.tags["sent"].astype(bool)
+        self.reported = saved.tags["reported"].astype(bool)
+        self._run = self.optimizer.irun(
+            fmax=self.pipeline.fmax, steps=_UNLIMITED, sync_atoms=False
+        )
+        try:
+            next(self._run)
+        except StopIteration:
+            self._run = None
+        return _nothing() | {"nsteps": self.optimizer.nsteps}
+
+    def write_checkpoint(self, path: Path, tags: dict[str, Any]) -> None:
+        """Write the optimizer's checkpoint with this rank's bookkeeping."""
+        part = _restartable(self.optimizer)
+        part.checkpoint_tags = {
+            "sent": self.sent.copy(),
+            "reported": self.reported.copy(),
+            **tags,
+        }
+        part.write_checkpoint(path)
 
     def advance(self) -> dict[str, Any]:
         """One optimizer step; what changed."""
@@ -621,6 +780,62 @@ class _Dynamics:
             self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
             next(self._run)  # the resize evaluated the batch; nothing runs
 
+    def resume(self, saved: _RankState) -> dict[str, Any]:
+        """Continue from this rank's checkpoint.
+
+        The structures that left MD before it get their final state back
+        (saved in the file); those in the MD batch are admitted again, in
+        batch order and with their own per-structure arguments, and the MD
+        object continues from its checkpoint (positions, velocities,
+        thermostat state, neighbour lists, step count and seed).
+        """
+        tags = saved.tags
+        self.rows = tags["rows"].astype(np.int64)
+        self.entered = tags["entered"].astype(np.int64)
+        self.done = tags["done"].astype(bool)
+        self.received = tags["received"].astype(bool)
+        self.pipeline.write_back(_saved_states(tags, self.pipeline.images))
+        if len(self.rows):
+            images = self.pipeline.images
+            admitted = self.rows.tolist()
+            parameters = {
+                name: values[admitted]
+                for name, values in self.pipeline.md_parameters.items()
+            }
+            self.md.resize(
+                np.zeros(0, dtype=np.int64),
+                [images[index] for index in admitted],
+                parameters=parameters,
+            )
+            _restartable(self.md).continue_from(saved.path)
+            self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
+            next(self._run)  # the checkpoint's state, evaluated; nothing runs
+        return _nothing()
+
+    def write_checkpoint(self, path: Path, tags: dict[str, Any]) -> None:
+        """Write the MD object's checkpoint (or, with no MD batch, the tags alone).
+
+        The final states of the structures that left MD go with it: after a
+        restart, this rank's ``Atoms`` of those structures hold the inputs.
+        """
+        left = self.received & self.done
+        left[self.rows] = False
+        tags = {
+            "rows": self.rows.copy(),
+            "entered": self.entered.copy(),
+            "done": self.done.copy(),
+            "received": self.received.copy(),
+            **_states_to_save(np.flatnonzero(left), self.pipeline.images),
+            **tags,
+        }
+        if self._run is None:
+            arrays = {f"extra/tag/{name}": np.asarray(v) for name, v in tags.items()}
+            save_checkpoint(path, {"kind": _RANK_KIND, "rank": MD_RANK}, arrays)
+            return
+        part = _restartable(self.md)
+        part.checkpoint_tags = tags
+        part.write_checkpoint(path)
+
     def advance(self) -> dict[str, Any]:
         """One MD step of the structures in MD; what finished or failed."""
         if self._run is None:
@@ -741,3 +956,281 @@ def _process_group(device: torch.device) -> Iterator[Any]:
     finally:
         if started:
             dist.destroy_process_group()
+
+
+# -- checkpoints (restart=) -----------------------------------------------------
+
+#: ``meta["kind"]`` of the manifest and of a rank file without an MD batch.
+_MANIFEST_KIND = "relax-then-md-pipeline"
+_RANK_KIND = "relax-then-md-pipeline-rank"
+#: Tags of a rank's file: frames in its hidden trajectory files, log size.
+_FRAMES_TAG, _LOG_TAG = "frames", "log_size"
+#: Entries of the parts' ``todict()`` that a continued run may change.
+_VOLATILE = frozenset({"restart", "max_steps", "fmax"})
+
+
+class _Restartable(Protocol):
+    """The checkpoint members of this package's dynamics classes."""
+
+    checkpoint_tags: dict[str, npt.NDArray[Any]]
+
+    def write_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
+        """Write a checkpoint of the current state."""
+
+    def continue_from(self, path: str | os.PathLike[str]) -> None:
+        """Take the state of a checkpoint."""
+
+
+def _restartable(part: Any) -> _Restartable:
+    return cast(_Restartable, part)
+
+
+@dataclass(frozen=True)
+class _RankState:
+    """One rank's file of a checkpoint: its path and bookkeeping tags."""
+
+    path: Path
+    tags: dict[str, npt.NDArray[Any]]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What a checkpoint must belong to: inputs, model and settings."""
+
+    settings: dict[str, Any]
+    meta: dict[str, Any]
+    arrays: dict[str, npt.NDArray[Any]]
+
+
+def _job_identity(
+    pipeline: RelaxThenMDPipeline, trajectories: list[Path], logfile: Any
+) -> _Job:
+    """Digests of the inputs and model, and the settings, before any step."""
+    md = pipeline.md
+
+    def lasting(description: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in description.items() if k not in _VOLATILE}
+
+    log: Any = None
+    if isinstance(logfile, str | os.PathLike):
+        log = os.fspath(logfile)
+    elif logfile is not None:
+        log = "open file"
+    settings = {
+        "optimizer": lasting(pipeline.optimizer.todict()),
+        "md": lasting(md.todict()),
+        "fmax": pipeline.fmax,
+        "md_steps": pipeline.md_steps,
+        "loginterval": pipeline.loginterval,
+        "trajectory": [str(path) for path in trajectories],
+        "logfile": log,
+    }
+    meta, arrays = job_entries(
+        md.model, md.setup.dtype, structure_digests(pipeline.images, MD_FIELDS)
+    )
+    plain = json.loads(json.dumps(settings, default=_plain))
+    return _Job(settings=plain, meta=meta, arrays=arrays)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    return str(value)
+
+
+class _Checkpoints:
+    """The pipeline's checkpoint: a manifest naming one file per rank.
+
+    ``PATH`` (``restart=``) is the manifest, an ``nvalchemi_ase`` checkpoint
+    holding the step, the state both ranks share (stages, hand-over steps,
+    failures), the job's identity and the names of the two rank files
+    (``STEM.rank0.stepN SUFFIX``, ``STEM.rank1.stepN SUFFIX`` beside it).
+    Both ranks write their new files, then rank 0 replaces the manifest
+    (``os.replace``), then each rank removes its previous file: a kill at any
+    point leaves a manifest naming a pair written at the same step.
+    """
+
+    def __init__(self, manifest: Path, job: _Job) -> None:
+        self.manifest = manifest
+        self.job = job
+        #: This rank's file named by the manifest (removed once replaced).
+        self.current: Path | None = None
+        self.written_at = -1
+        self._files: list[str] = []
+
+    def rank_path(self, rank: int, nsteps: int) -> Path:
+        path = self.manifest
+        return path.with_name(f"{path.stem}.rank{rank}.step{nsteps}{path.suffix}")
+
+    # -- reading -----------------------------------------------------------
+
+    def read(self, images: list[Any], md: Any) -> Checkpoint | None:
+        """Return the manifest, checked against the job (None: no checkpoint yet)."""
+        if not self.manifest.exists():
+            return None
+        manifest = read_checkpoint(self.manifest)
+        path = self.manifest
+        if manifest.meta.get("kind") != _MANIFEST_KIND:
+            raise CheckpointError(
+                f"restart file {path} is not a checkpoint of optimizer | md (it "
+                f"was written by {manifest.meta.get('class', 'another run')}); "
+                "give the pipeline its own restart path"
+            )
+        _same_settings(path, manifest.meta.get("settings"), self.job.settings)
+        mismatch = job_mismatch(
+            images, md.model, md.setup.dtype, manifest.meta, manifest.arrays
+        )
+        if mismatch is not None:
+            raise CheckpointError(
+                f"restart file {path}: {mismatch}; {checkpoint_fix()}"
+            )
+        self._files = [str(name) for name in manifest.meta["rank_files"]]
+        for name in self._files:
+            if not (path.parent / name).exists():
+                raise CheckpointError(
+                    f"restart file {path} names {name}, which is missing beside it "
+                    "(a checkpoint is the manifest and one file per rank); restore "
+                    f"it, or remove {path} to start afresh"
+                )
+        self.written_at = int(manifest.meta["nsteps"])
+        return manifest
+
+    def rank_state(self, rank: int) -> _RankState:
+        """Return this rank's file of the manifest read; remove stale ones."""
+        path = self.manifest.parent / self._files[rank]
+        checkpoint = read_checkpoint(path)
+        self.current = path
+        stem, suffix = self.manifest.stem, self.manifest.suffix
+        for stale in self.manifest.parent.glob(f"{stem}.rank{rank}.step*{suffix}"):
+            if stale.name != path.name:  # written after the manifest: a kill
+                stale.unlink(missing_ok=True)
+        return _RankState(path=path, tags=checkpoint.group("extra/tag"))
+
+    # -- writing -----------------------------------------------------------
+
+    def write_if_due(
+        self,
+        pipeline: RelaxThenMDPipeline,
+        stage: _Relaxation | _Dynamics,
+        frames: TrajectorySet | None,
+        group: Any,
+        *,
+        ending: bool,
+    ) -> None:
+        """Write both ranks' files and the manifest (collective), when due.
+
+        Due every ``restart_interval`` steps and when the run ends, after the
+        exchange: every structure handed over is in the MD batch, none in
+        transit.
+        """
+        import torch.distributed as dist
+
+        nsteps = pipeline.nsteps
+        due = ending or nsteps % pipeline.restart_interval == 0
+        if not due or nsteps == self.written_at:
+            return
+        rank = dist.get_rank()
+        log = pipeline.log_path(rank)
+        size = log.stat().st_size if log is not None and log.exists() else -1
+        path = self.rank_path(rank, nsteps)
+        stage.write_checkpoint(
+            path,
+            {
+                _FRAMES_TAG: pipeline.frame_counts(frames),
+                _LOG_TAG: np.array([size], dtype=np.int64),
+            },
+        )
+        dist.barrier(group=group)  # both rank files are whole
+        if rank == RELAX_RANK:
+            files = [self.rank_path(r, nsteps).name for r in (RELAX_RANK, MD_RANK)]
+            meta = {
+                "kind": _MANIFEST_KIND,
+                "nsteps": nsteps,
+                "rank_files": files,
+                "settings": self.job.settings,
+                **self.job.meta,
+            }
+            arrays = self.job.arrays | pipeline.shared_arrays()
+            save_checkpoint(self.manifest, meta, arrays)
+        dist.barrier(group=group)  # the manifest names the new pair
+        if self.current is not None and self.current != path:
+            self.current.unlink(missing_ok=True)
+        self.current = path
+        self.written_at = nsteps
+
+
+def _same_settings(path: Path, saved: Any, current: dict[str, Any]) -> None:
+    """Refuse a manifest written with other settings, naming the first one."""
+    if saved == current:
+        return
+    field, mine, theirs = _first_difference(saved, current, "")
+    raise CheckpointError(
+        f"restart file {path}: setting {field!r} is {mine!r} in the checkpoint but "
+        f"{theirs!r} here (another job); {checkpoint_fix()}"
+    )
+
+
+def _first_difference(saved: Any, current: Any, prefix: str) -> tuple[str, Any, Any]:
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            if saved.get(key) != current.get(key):
+                name = f"{prefix}.{key}" if prefix else str(key)
+                return _first_difference(saved.get(key), current.get(key), name)
+    return prefix or "settings", saved, current
+
+
+def _states_to_save(
+    indices: npt.NDArray[np.intp], images: list[Any]
+) -> dict[str, npt.NDArray[Any]]:
+    """Return the final states of ``indices`` as checkpoint tags (``final/...``)."""
+    states = [_state(int(index), images[index], momenta=True)[1] for index in indices]
+
+    def stacked(key: str, shape: tuple[int, ...]) -> npt.NDArray[np.float64]:
+        if not states:
+            return np.zeros((0, *shape))
+        return np.concatenate(
+            [np.reshape(state[key], (-1, *shape)) for state in states]
+        )
+
+    return {
+        "final/index": np.asarray(indices, dtype=np.int64),
+        "final/positions": stacked("positions", (3,)),
+        "final/cell": stacked("cell", (3, 3)),
+        "final/momenta": stacked("momenta", (3,)),
+        "final/energy": np.array(
+            [state["results"]["energy"] for state in states], dtype=np.float64
+        ),
+        "final/forces": np.concatenate([state["results"]["forces"] for state in states])
+        if states
+        else np.zeros((0, 3)),
+    }
+
+
+def _saved_states(
+    tags: dict[str, npt.NDArray[Any]], images: list[Any]
+) -> list[tuple[int, dict[str, Any]]]:
+    """Return the final states :func:`_states_to_save` stored (``write_back``)."""
+    states = []
+    start = 0
+    for position, index in enumerate(tags["final/index"].tolist()):
+        stop = start + len(images[index])
+        energy = float(tags["final/energy"][position])
+        states.append(
+            (
+                index,
+                {
+                    "positions": tags["final/positions"][start:stop],
+                    "cell": tags["final/cell"][position],
+                    "momenta": tags["final/momenta"][start:stop],
+                    "results": {
+                        "energy": energy,
+                        "free_energy": energy,
+                        "forces": tags["final/forces"][start:stop],
+                    },
+                },
+            )
+        )
+        start = stop
+    return states

@@ -12,11 +12,18 @@ With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
 at :data:`KICK` momentum, which moves it further than the failure guard allows
 in its first MD step; the failures go to the npz file too. With ``md=NAME``
 the MD stage is :func:`integrator`'s ``NAME`` instead of velocity Verlet.
+
+Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
+(``interval=K``: ``restart_interval=K``), ``steps=N`` runs ``run(N)`` instead
+of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
+itself) when they have taken step ``N``, before its frames (a kill between
+checkpoints).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -96,13 +103,23 @@ def main() -> None:
     files: dict = {}
     kicked = None
     stage = "VelocityVerlet"
+    steps, die = 1000, None
     for option in sys.argv[4:]:
-        if option.startswith("kick="):
-            kicked = int(option.removeprefix("kick="))
-        elif option.startswith("md="):
-            stage = option.removeprefix("md=")
+        name, _, value = option.partition("=")
+        if name == "kick":
+            kicked = int(value)
+        elif name == "md":
+            stage = value
+        elif name == "restart":
+            files["restart"] = str(folder / value)
+        elif name == "interval":
+            files["restart_interval"] = int(value)
+        elif name == "steps":
+            steps = int(value)
+        elif name == "die":
+            die = int(value)
         else:
-            files = {
+            files |= {
                 "trajectory": str(folder / "pipe_{i}.traj"),
                 "logfile": str(folder / "pipe.log"),
                 "loginterval": int(option),
@@ -113,10 +130,12 @@ def main() -> None:
         momenta = structures[kicked].get_momenta()
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
-    pipeline = optimizer(structures, logfile=None).pipe(
-        integrator(stage, structures), **PIPE, **files
-    )
-    done = pipeline.run(1000)
+    relax, dynamics = optimizer(structures, logfile=None), integrator(stage, structures)
+    pipeline = relax.pipe(dynamics, **PIPE, **files)
+    if die is not None:
+        for part in (relax, dynamics):
+            part.attach(_killer(part, die))
+    done = pipeline.run(steps)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
     failures = np.array(
@@ -131,6 +150,16 @@ def main() -> None:
         reasons=reasons,
         **result,
     )
+
+
+def _killer(part, step):
+    """Observer: SIGKILL this process when ``part`` takes step ``step``."""
+
+    def kill():
+        if part.nsteps == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 if __name__ == "__main__":
