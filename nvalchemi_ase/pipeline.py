@@ -787,7 +787,9 @@ class _Dynamics:
         (saved in the file); those in the MD batch are admitted again, in
         batch order and with their own per-structure arguments, and the MD
         object continues from its checkpoint (positions, velocities,
-        thermostat state, neighbour lists, step count and seed).
+        thermostat state, neighbour lists, step count and seed). With no MD
+        batch, the engine's step count is taken back alone: the noise of the
+        stochastic thermostats counts the engine's steps since the start.
         """
         tags = saved.tags
         self.rows = tags["rows"].astype(np.int64)
@@ -795,6 +797,8 @@ class _Dynamics:
         self.done = tags["done"].astype(bool)
         self.received = tags["received"].astype(bool)
         self.pipeline.write_back(_saved_states(tags, self.pipeline.images))
+        # the noise of a stochastic thermostat counts the engine's steps
+        _restartable(self.md).engine.step_count = int(tags["engine_steps"][0])
         if len(self.rows):
             images = self.pipeline.images
             admitted = self.rows.tolist()
@@ -826,6 +830,7 @@ class _Dynamics:
             "done": self.done.copy(),
             "received": self.received.copy(),
             **_states_to_save(np.flatnonzero(left), self.pipeline.images),
+            "engine_steps": np.array([_restartable(self.md).engine.step_count]),
             **tags,
         }
         if self._run is None:
@@ -973,6 +978,8 @@ class _Restartable(Protocol):
     """The checkpoint members of this package's dynamics classes."""
 
     checkpoint_tags: dict[str, npt.NDArray[Any]]
+    #: The nvalchemi engine (its public ``step_count``).
+    engine: Any
 
     def write_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
         """Write a checkpoint of the current state."""
@@ -1005,7 +1012,11 @@ class _Job:
 def _job_identity(
     pipeline: RelaxThenMDPipeline, trajectories: list[Path], logfile: Any
 ) -> _Job:
-    """Digests of the inputs and model, and the settings, before any step."""
+    """Digests of the inputs and model, and the settings, before any step.
+
+    Files count by name (a run's folder may be moved between a stop and its
+    continuation, the hidden frame files and the checkpoint with it).
+    """
     md = pipeline.md
 
     def lasting(description: dict[str, Any]) -> dict[str, Any]:
@@ -1013,7 +1024,7 @@ def _job_identity(
 
     log: Any = None
     if isinstance(logfile, str | os.PathLike):
-        log = os.fspath(logfile)
+        log = Path(logfile).name
     elif logfile is not None:
         log = "open file"
     settings = {
@@ -1022,7 +1033,7 @@ def _job_identity(
         "fmax": pipeline.fmax,
         "md_steps": pipeline.md_steps,
         "loginterval": pipeline.loginterval,
-        "trajectory": [str(path) for path in trajectories],
+        "trajectory": [path.name for path in trajectories],
         "logfile": log,
     }
     meta, arrays = job_entries(

@@ -62,8 +62,10 @@ def integrator(name, structures, targets=None):
     ``Langevin`` runs without friction (no noise: the pipeline's MD batch and
     the fused run's draw different noise), with one temperature per
     structure still handed over; ``NVTBerendsen`` couples each structure to
-    its own temperature within a few steps (taut 10 fs). ``targets``: other
-    temperatures (K, one per structure) than :data:`THERMOSTAT_K`.
+    its own temperature within a few steps (taut 10 fs); ``SeededLangevin``
+    is Langevin with friction, its noise seeded (the pipeline's own noise: a
+    continued run must draw the same). ``targets``: other temperatures (K, one
+    per structure) than :data:`THERMOSTAT_K`.
     """
     from nvalchemi_ase import md
 
@@ -74,6 +76,10 @@ def integrator(name, structures, targets=None):
     if name == "Langevin":
         return md.Langevin(
             structures, TIMESTEP, temperature_K=targets, friction=0.0, seed=7
+        )
+    if name == "SeededLangevin":
+        return md.Langevin(
+            structures, TIMESTEP, temperature_K=targets, friction=0.05, seed=11
         )
     if name == "NVTBerendsen":
         return md.NVTBerendsen(
@@ -94,17 +100,23 @@ def state(structures, stage, relax_steps) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
+def build(arguments, **changes):
+    """The structures, pipeline and ``run`` steps of a worker's command line.
+
+    ``arguments``: ``OPTIMIZER ORDER FOLDER [options]`` (see the module
+    docstring); ``changes``: other keywords for ``pipe`` (a test builds
+    another job in one process).
+    """
     from nvalchemi_ase import NVAlchemiCalculator, optimize
 
-    optimizer = getattr(optimize, sys.argv[1])
-    order = [int(index) for index in sys.argv[2].split(",")]
-    folder = Path(sys.argv[3])
+    optimizer = getattr(optimize, arguments[0])
+    order = [int(index) for index in arguments[1].split(",")]
+    folder = Path(arguments[2])
     files: dict = {}
     kicked = None
     stage = "VelocityVerlet"
     steps, die = 1000, None
-    for option in sys.argv[4:]:
+    for option in arguments[3:]:
         name, _, value = option.partition("=")
         if name == "kick":
             kicked = int(value)
@@ -131,10 +143,16 @@ def main() -> None:
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
     relax, dynamics = optimizer(structures, logfile=None), integrator(stage, structures)
-    pipeline = relax.pipe(dynamics, **PIPE, **files)
+    pipeline = relax.pipe(dynamics, **(PIPE | files | changes))
     if die is not None:
         for part in (relax, dynamics):
             part.attach(_killer(part, die))
+    return structures, pipeline, steps
+
+
+def main() -> None:
+    structures, pipeline, steps = build(sys.argv[1:])
+    folder = Path(sys.argv[3])
     done = pipeline.run(steps)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
