@@ -63,9 +63,43 @@ and noiseless Langevin with one temperature per structure;
 number of optimizer steps and ends where the fused run ends, to round-off, on
 both ranks, and the trajectories agree frame by frame.
 
-No checkpoints yet: parts given ``restart=`` are refused (each would write
-its own rank's batch, which cannot continue the pipeline); the single-process
-``optimizer + md`` continues a run bit for bit.
+Checkpoints (``restart=PATH``, ``restart_interval=``, ASE's names, given to
+the pipeline: ``optimizer.pipe(md, restart="pipe.npz")``; parts given their
+own ``restart=`` are refused): ``PATH`` is a manifest (the package's
+checkpoint format, :mod:`nvalchemi_ase.dynamics.checkpoint`) holding the step,
+the state both ranks share (:attr:`~RelaxThenMDPipeline.stage`,
+``relax_steps``, failures), the job's identity and the names of one file per
+rank beside it (``pipe.rank0.stepN.npz``: the optimizer's checkpoint;
+``pipe.rank1.stepN.npz``: the MD object's, or its bookkeeping alone while no
+structure is in MD). Each rank's file carries its bookkeeping as tags: rank
+0 which structures were handed over; rank 1 the input index of each row of
+its MD batch, each structure's MD entry step, and the final states of the
+structures that left MD; both the frames in their hidden trajectory files
+and the size of their log. They are written every ``restart_interval`` steps
+(default 100) and when :meth:`~RelaxThenMDPipeline.run` ends, after that
+step's exchange, so no structure is in transit between the ranks. Both ranks
+write their new file, then rank 0 replaces the manifest (``os.replace``),
+then each removes its previous file: a kill at any point leaves a manifest
+naming two files of one step (a newer file it does not name is removed when
+the run continues).
+
+If ``PATH`` exists, the pipeline continues (as ASE's ``restart=``): the
+manifest must belong to the same job (the structures as given, model,
+the parts' arguments, ``fmax``, ``md_steps``, ``loginterval`` and the file
+names; else a :class:`~nvalchemi_ase.dynamics.checkpoint.CheckpointError`
+names the field, before any file is touched). :meth:`run` then continues
+rank 0's optimizer from its file, resizes rank 1's MD batch to the
+checkpoint's structures (each with its own per-structure arguments) and
+continues it from its file (positions, velocities, thermostat state,
+neighbour lists, seed and step count: the noise of a seeded stochastic
+thermostat goes on as it would have), gives back the final states of the
+structures that left MD, cuts the hidden frame files and logs back to the
+checkpoint (a killed run may have written more) and appends to them; a
+failed structure stays failed. A run stopped by ``run(steps)`` or killed and
+continued this way ends with every rank's ``Atoms``, trajectories and logs
+as the uninterrupted run's (``tests/test_pipeline.py``: bit for bit in
+float64). With ``restart=`` the hidden frame files of an unfinished run stay
+beside the trajectories; a finished job launched again changes no file.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
@@ -153,6 +187,13 @@ class RelaxThenMDPipeline:
         file. The logs are not merged.
     loginterval : int
         Frame and log interval, in steps.
+    restart : str or path, optional
+        The checkpoint's manifest (see the module notes): continued from if it
+        exists, (re)written every ``restart_interval`` steps and when
+        :meth:`run` ends; the two rank files go beside it.
+    restart_interval : int, optional
+        Steps between checkpoints (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
 
     Attributes
     ----------
@@ -167,7 +208,10 @@ class RelaxThenMDPipeline:
         and MD steps, as the fused run counts) and reason; they keep their last
         good state, and the others go on.
     nsteps : int
-        Steps run (each is one step of each rank).
+        Steps run (each is one step of each rank); a continued run starts at
+        its checkpoint's.
+    continued : bool
+        Whether ``restart`` named an existing checkpoint.
     md_parameters : dict of str to numpy.ndarray, shape (B,)
         The MD object's per-structure arguments (``temperature_K``, ...) as
         given at construction, input order (``md.parameter_table()``); each
@@ -271,6 +315,7 @@ class RelaxThenMDPipeline:
             self._take_manifest(manifest)
         #: Continued from a checkpoint (``restart=`` named an existing one).
         self.continued = manifest is not None
+        self._resume_pending = self.continued  # the next run() takes the files
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -318,8 +363,9 @@ class RelaxThenMDPipeline:
         with _process_group(self.md.setup.device) as group:
             rank = dist.get_rank()
             saved = None
-            if self._checkpoints is not None and self.continued:
+            if self._checkpoints is not None and self._resume_pending:
                 saved = self._checkpoints.rank_state(rank)
+                self._resume_pending = False
             frames = self._frame_writer(rank, saved)
             stage: _Relaxation | _Dynamics = (
                 _Relaxation(self, frames)

@@ -408,6 +408,18 @@ def test_a_stopped_run_continued_ends_as_the_uninterrupted_run(
         assert rank["failures"].tolist() == [[1, 2]]
         assert "max_displacement" in str(rank["reasons"][0])
     _assert_same_run(folder, ranks, uninterrupted)
+    # launched once more, the finished job changes no file and ends at once
+    outputs = ("rank0.npz", "rank1.npz")  # the worker's, written again
+    written = {
+        p.name: p.read_bytes() for p in folder.iterdir() if p.name not in outputs
+    }
+    again = _resumed_run(folder, "restart=ckpt.npz", "interval=3")
+    for rank in again:
+        assert bool(rank["done"])
+        assert int(rank["nsteps"]) == int(uninterrupted[1][0]["nsteps"])
+    for name, content in written.items():
+        assert (folder / name).read_bytes() == content, name
+    _assert_same_run(folder, again, uninterrupted)
 
 
 @pytest.mark.slow  # three torchrun launches
@@ -422,6 +434,9 @@ def test_a_killed_run_continues_from_its_last_checkpoint(uninterrupted, tmp_path
     assert read_checkpoint(tmp_path / "ckpt.npz").meta["nsteps"] == 32
     logged = (tmp_path / "pipe.log").read_text().splitlines()
     assert len(logged) > 1 + 32 // RESUMED_LOGINTERVAL  # lines after the checkpoint
+    # as if rank 0 had written its next file and was killed before the
+    # manifest named it: never read, removed
+    shutil.copy(tmp_path / "ckpt.rank0.step32.npz", tmp_path / "ckpt.rank0.step36.npz")
     ranks = _resumed_run(tmp_path, *options)
     _assert_same_run(tmp_path, ranks, uninterrupted)
 
