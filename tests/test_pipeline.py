@@ -469,3 +469,25 @@ def test_a_checkpoint_of_another_job_is_refused(stopped, tmp_path):
     with pytest.raises(CheckpointError, match=r"not a checkpoint of optimizer \| md"):
         relax.pipe(integrate, restart=single)
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
+def test_continue_from_takes_a_checkpoint_into_a_built_object(lj_calc64, tmp_path):
+    """``continue_from(path)``, how each rank continues its part: a built object
+    takes a checkpoint as ``restart=`` would and ends bit for bit as the run
+    never stopped; a checkpoint of other structures is refused."""
+    reference = images(lj_calc64, [0, 1, 2])
+    md.VelocityVerlet(reference, TIMESTEP).run(6)
+    first = md.VelocityVerlet(images(lj_calc64, [0, 1, 2]), TIMESTEP)
+    first.run(3)
+    first.write_checkpoint(tmp_path / "md.npz")
+    structures = images(lj_calc64, [0, 1, 2])
+    again = md.VelocityVerlet(structures, TIMESTEP)
+    again.continue_from(tmp_path / "md.npz")
+    assert again.nsteps == 3
+    again.run(3)
+    for mine, theirs in zip(structures, reference, strict=True):
+        np.testing.assert_allclose(mine.positions, theirs.positions, atol=1e-10)
+        np.testing.assert_allclose(mine.get_momenta(), theirs.get_momenta(), atol=1e-10)
+    other = md.VelocityVerlet(images(lj_calc64, [0, 2]), TIMESTEP)
+    with pytest.raises(CheckpointError, match="'n_structures' is 3 in the"):
+        other.continue_from(tmp_path / "md.npz")
