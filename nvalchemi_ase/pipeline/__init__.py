@@ -109,12 +109,10 @@ Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -129,19 +127,22 @@ from nvalchemi_ase.compose import (
     check_parts,
 )
 from nvalchemi_ase.devices import GROUP_TIMEOUT
-from nvalchemi_ase.dynamics.checkpoint import (
-    DEFAULT_RESTART_INTERVAL,
-    Checkpoint,
-    CheckpointError,
-    checkpoint_fix,
-    read_checkpoint,
-)
-from nvalchemi_ase.dynamics.checkpoint import write_checkpoint as save_checkpoint
+from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL, Checkpoint
 from nvalchemi_ase.dynamics.failures import StructureFailure
-from nvalchemi_ase.dynamics.job import job_entries, job_mismatch
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
-from nvalchemi_ase.identity import MD_FIELDS, structure_digests
+from nvalchemi_ase.pipeline.restart import (
+    FRAMES_TAG,
+    LOG_TAG,
+    PipelineCheckpoints,
+    RankState,
+    job_identity,
+    restartable,
+    saved_states,
+    states_to_save,
+    structure_state,
+    write_tags,
+)
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
 __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
@@ -305,8 +306,8 @@ class RelaxThenMDPipeline:
         manifest = None
         if self.restart is not None:
             # the job a checkpoint must belong to: inputs, model and settings
-            job = _job_identity(self, self._trajectory_paths, logfile)
-            self._checkpoints = _Checkpoints(Path(self.restart), job)
+            job = job_identity(self, self._trajectory_paths, logfile)
+            self._checkpoints = PipelineCheckpoints(Path(self.restart), job)
             manifest = self._checkpoints.read(self.images, md)
         if manifest is None:
             for path in self._trajectory_paths:  # as ASE does, on every rank
@@ -452,9 +453,7 @@ class RelaxThenMDPipeline:
             for path in self._trajectory_paths
         ]
 
-    def _frame_writer(
-        self, rank: int, saved: _RankState | None
-    ) -> TrajectorySet | None:
+    def _frame_writer(self, rank: int, saved: RankState | None) -> TrajectorySet | None:
         """Return this rank's frame files, or None.
 
         A new run removes an earlier run's; a continued one cuts them back to
@@ -470,7 +469,7 @@ class RelaxThenMDPipeline:
             paths, len(paths), append=saved is not None, description=self._description
         )
         if saved is not None:
-            counts = saved.tags[_FRAMES_TAG].astype(np.int64)
+            counts = saved.tags[FRAMES_TAG].astype(np.int64)
             frames.truncate(counts)
             self._frames_at_start = counts
         return frames
@@ -575,7 +574,7 @@ class RelaxThenMDPipeline:
             path = path.with_name(f"{path.stem}.rank1{path.suffix}")
         return path
 
-    def _open_log(self, rank: int, saved: _RankState | None) -> Any:
+    def _open_log(self, rank: int, saved: RankState | None) -> Any:
         """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path).
 
         A continued run cuts the file back to its size at the checkpoint
@@ -588,7 +587,7 @@ class RelaxThenMDPipeline:
         if rank == MD_RANK and path is not None:
             target = str(path)
         if saved is not None:
-            size = int(saved.tags[_LOG_TAG][0])
+            size = int(saved.tags[LOG_TAG][0])
             if path is not None and path.exists() and 0 <= size < path.stat().st_size:
                 os.truncate(path, size)
             return open_log(target)
@@ -652,14 +651,14 @@ class _Relaxation:
         next(self._first)
         return self._report()
 
-    def resume(self, saved: _RankState) -> dict[str, Any]:
+    def resume(self, saved: RankState) -> dict[str, Any]:
         """Continue the optimizer from its checkpoint (a step >= 1).
 
         The run goes on as ``irun(fmax)``, whose start checks the
         checkpoint's state again: the structures it finds converged were
         handed over before the checkpoint (``sent``), so nothing is sent.
         """
-        _restartable(self.optimizer).continue_from(saved.path)
+        restartable(self.optimizer).continue_from(saved.path)
         self.sent = saved.tags["sent"].astype(bool)
         self.reported = saved.tags["reported"].astype(bool)
         self._run = self.optimizer.irun(
@@ -673,7 +672,7 @@ class _Relaxation:
 
     def write_checkpoint(self, path: Path, tags: dict[str, Any]) -> None:
         """Write the optimizer's checkpoint with this rank's bookkeeping."""
-        part = _restartable(self.optimizer)
+        part = restartable(self.optimizer)
         part.checkpoint_tags = {
             "sent": self.sent.copy(),
             "reported": self.reported.copy(),
@@ -747,7 +746,7 @@ class _Relaxation:
         """Return the final states of the structures that never left this rank."""
         images = self.pipeline.images
         return [
-            _state(index, images[index], momenta=False)
+            structure_state(index, images[index], momenta=False)
             for index in map(int, np.flatnonzero(~self.sent))
         ]
 
@@ -826,7 +825,7 @@ class _Dynamics:
             self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
             next(self._run)  # the resize evaluated the batch; nothing runs
 
-    def resume(self, saved: _RankState) -> dict[str, Any]:
+    def resume(self, saved: RankState) -> dict[str, Any]:
         """Continue from this rank's checkpoint.
 
         The structures that left MD before it get their final state back
@@ -842,9 +841,9 @@ class _Dynamics:
         self.entered = tags["entered"].astype(np.int64)
         self.done = tags["done"].astype(bool)
         self.received = tags["received"].astype(bool)
-        self.pipeline.write_back(_saved_states(tags, self.pipeline.images))
+        self.pipeline.write_back(saved_states(tags, self.pipeline.images))
         # the noise of a stochastic thermostat counts the engine's steps
-        _restartable(self.md).engine.step_count = int(tags["engine_steps"][0])
+        restartable(self.md).engine.step_count = int(tags["engine_steps"][0])
         if len(self.rows):
             images = self.pipeline.images
             admitted = self.rows.tolist()
@@ -857,7 +856,7 @@ class _Dynamics:
                 [images[index] for index in admitted],
                 parameters=parameters,
             )
-            _restartable(self.md).continue_from(saved.path)
+            restartable(self.md).continue_from(saved.path)
             self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
             next(self._run)  # the checkpoint's state, evaluated; nothing runs
         return _nothing()
@@ -875,15 +874,14 @@ class _Dynamics:
             "entered": self.entered.copy(),
             "done": self.done.copy(),
             "received": self.received.copy(),
-            **_states_to_save(np.flatnonzero(left), self.pipeline.images),
-            "engine_steps": np.array([_restartable(self.md).engine.step_count]),
+            **states_to_save(np.flatnonzero(left), self.pipeline.images),
+            "engine_steps": np.array([restartable(self.md).engine.step_count]),
             **tags,
         }
         if self._run is None:
-            arrays = {f"extra/tag/{name}": np.asarray(v) for name, v in tags.items()}
-            save_checkpoint(path, {"kind": _RANK_KIND, "rank": MD_RANK}, arrays)
+            write_tags(path, MD_RANK, tags)
             return
-        part = _restartable(self.md)
+        part = restartable(self.md)
         part.checkpoint_tags = tags
         part.write_checkpoint(path)
 
@@ -928,7 +926,7 @@ class _Dynamics:
         """Return the final states of the structures that reached MD."""
         images = self.pipeline.images
         return [
-            _state(index, images[index], momenta=True)
+            structure_state(index, images[index], momenta=True)
             for index in map(int, np.flatnonzero(self.received))
         ]
 
@@ -947,24 +945,6 @@ def _close(run: Iterator[bool]) -> None:
 
 def _nothing() -> dict[str, Any]:
     return {"arrivals": [], "failures": [], "finished": [], "nsteps": 0}
-
-
-def _state(index: int, atoms: Any, *, momenta: bool) -> tuple[int, dict[str, Any]]:
-    """Return what the other rank needs to hold structure ``index``'s final state."""
-    results = {
-        "energy": atoms.get_potential_energy(),
-        "free_energy": atoms.get_potential_energy(),
-        "forces": atoms.get_forces(apply_constraint=False),
-    }
-    return (
-        index,
-        {
-            "positions": atoms.positions.copy(),
-            "cell": atoms.cell.array.copy(),
-            "momenta": atoms.get_momenta() if momenta else None,
-            "results": results,
-        },
-    )
 
 
 def _check_no_constraints(images: list[Any]) -> None:
@@ -1007,287 +987,3 @@ def _process_group(device: torch.device) -> Iterator[Any]:
     finally:
         if started:
             dist.destroy_process_group()
-
-
-# -- checkpoints (restart=) -----------------------------------------------------
-
-#: ``meta["kind"]`` of the manifest and of a rank file without an MD batch.
-_MANIFEST_KIND = "relax-then-md-pipeline"
-_RANK_KIND = "relax-then-md-pipeline-rank"
-#: Tags of a rank's file: frames in its hidden trajectory files, log size.
-_FRAMES_TAG, _LOG_TAG = "frames", "log_size"
-#: Entries of the parts' ``todict()`` that a continued run may change.
-_VOLATILE = frozenset({"restart", "max_steps", "fmax"})
-
-
-class _Restartable(Protocol):
-    """The checkpoint members of this package's dynamics classes."""
-
-    checkpoint_tags: dict[str, npt.NDArray[Any]]
-    #: The nvalchemi engine (its public ``step_count``).
-    engine: Any
-
-    def write_checkpoint(self, path: str | os.PathLike[str] | None = None) -> None:
-        """Write a checkpoint of the current state."""
-
-    def continue_from(self, path: str | os.PathLike[str]) -> None:
-        """Take the state of a checkpoint."""
-
-
-def _restartable(part: Any) -> _Restartable:
-    return cast(_Restartable, part)
-
-
-@dataclass(frozen=True)
-class _RankState:
-    """One rank's file of a checkpoint: its path and bookkeeping tags."""
-
-    path: Path
-    tags: dict[str, npt.NDArray[Any]]
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What a checkpoint must belong to: inputs, model and settings."""
-
-    settings: dict[str, Any]
-    meta: dict[str, Any]
-    arrays: dict[str, npt.NDArray[Any]]
-
-
-def _job_identity(
-    pipeline: RelaxThenMDPipeline, trajectories: list[Path], logfile: Any
-) -> _Job:
-    """Digests of the inputs and model, and the settings, before any step.
-
-    Files count by name (a run's folder may be moved between a stop and its
-    continuation, the hidden frame files and the checkpoint with it).
-    """
-    md = pipeline.md
-
-    def lasting(description: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in description.items() if k not in _VOLATILE}
-
-    log: Any = None
-    if isinstance(logfile, str | os.PathLike):
-        log = Path(logfile).name
-    elif logfile is not None:
-        log = "open file"
-    settings = {
-        "optimizer": lasting(pipeline.optimizer.todict()),
-        "md": lasting(md.todict()),
-        "fmax": pipeline.fmax,
-        "md_steps": pipeline.md_steps,
-        "loginterval": pipeline.loginterval,
-        "trajectory": [path.name for path in trajectories],
-        "logfile": log,
-    }
-    meta, arrays = job_entries(
-        md.model, md.setup.dtype, structure_digests(pipeline.images, MD_FIELDS)
-    )
-    plain = json.loads(json.dumps(settings, default=_plain))
-    return _Job(settings=plain, meta=meta, arrays=arrays)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.ndarray | np.generic):
-        return value.tolist()
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().tolist()
-    return str(value)
-
-
-class _Checkpoints:
-    """The pipeline's checkpoint: a manifest naming one file per rank.
-
-    ``PATH`` (``restart=``) is the manifest, an ``nvalchemi_ase`` checkpoint
-    holding the step, the state both ranks share (stages, hand-over steps,
-    failures), the job's identity and the names of the two rank files
-    (``STEM.rank0.stepN SUFFIX``, ``STEM.rank1.stepN SUFFIX`` beside it).
-    Both ranks write their new files, then rank 0 replaces the manifest
-    (``os.replace``), then each rank removes its previous file: a kill at any
-    point leaves a manifest naming a pair written at the same step.
-    """
-
-    def __init__(self, manifest: Path, job: _Job) -> None:
-        self.manifest = manifest
-        self.job = job
-        #: This rank's file named by the manifest (removed once replaced).
-        self.current: Path | None = None
-        self.written_at = -1
-        self._files: list[str] = []
-
-    def rank_path(self, rank: int, nsteps: int) -> Path:
-        path = self.manifest
-        return path.with_name(f"{path.stem}.rank{rank}.step{nsteps}{path.suffix}")
-
-    # -- reading -----------------------------------------------------------
-
-    def read(self, images: list[Any], md: Any) -> Checkpoint | None:
-        """Return the manifest, checked against the job (None: no checkpoint yet)."""
-        if not self.manifest.exists():
-            return None
-        manifest = read_checkpoint(self.manifest)
-        path = self.manifest
-        if manifest.meta.get("kind") != _MANIFEST_KIND:
-            raise CheckpointError(
-                f"restart file {path} is not a checkpoint of optimizer | md (it "
-                f"was written by {manifest.meta.get('class', 'another run')}); "
-                "give the pipeline its own restart path"
-            )
-        _same_settings(path, manifest.meta.get("settings"), self.job.settings)
-        mismatch = job_mismatch(
-            images, md.model, md.setup.dtype, manifest.meta, manifest.arrays
-        )
-        if mismatch is not None:
-            raise CheckpointError(
-                f"restart file {path}: {mismatch}; {checkpoint_fix()}"
-            )
-        self._files = [str(name) for name in manifest.meta["rank_files"]]
-        for name in self._files:
-            if not (path.parent / name).exists():
-                raise CheckpointError(
-                    f"restart file {path} names {name}, which is missing beside it "
-                    "(a checkpoint is the manifest and one file per rank); restore "
-                    f"it, or remove {path} to start afresh"
-                )
-        self.written_at = int(manifest.meta["nsteps"])
-        return manifest
-
-    def rank_state(self, rank: int) -> _RankState:
-        """Return this rank's file of the manifest read; remove stale ones."""
-        path = self.manifest.parent / self._files[rank]
-        checkpoint = read_checkpoint(path)
-        self.current = path
-        stem, suffix = self.manifest.stem, self.manifest.suffix
-        for stale in self.manifest.parent.glob(f"{stem}.rank{rank}.step*{suffix}"):
-            if stale.name != path.name:  # written after the manifest: a kill
-                stale.unlink(missing_ok=True)
-        return _RankState(path=path, tags=checkpoint.group("extra/tag"))
-
-    # -- writing -----------------------------------------------------------
-
-    def write_if_due(
-        self,
-        pipeline: RelaxThenMDPipeline,
-        stage: _Relaxation | _Dynamics,
-        frames: TrajectorySet | None,
-        group: Any,
-        *,
-        ending: bool,
-    ) -> None:
-        """Write both ranks' files and the manifest (collective), when due.
-
-        Due every ``restart_interval`` steps and when the run ends, after the
-        exchange: every structure handed over is in the MD batch, none in
-        transit.
-        """
-        import torch.distributed as dist
-
-        nsteps = pipeline.nsteps
-        due = ending or nsteps % pipeline.restart_interval == 0
-        if not due or nsteps == self.written_at:
-            return
-        rank = dist.get_rank()
-        log = pipeline.log_path(rank)
-        size = log.stat().st_size if log is not None and log.exists() else -1
-        path = self.rank_path(rank, nsteps)
-        stage.write_checkpoint(
-            path,
-            {
-                _FRAMES_TAG: pipeline.frame_counts(frames),
-                _LOG_TAG: np.array([size], dtype=np.int64),
-            },
-        )
-        dist.barrier(group=group)  # both rank files are whole
-        if rank == RELAX_RANK:
-            files = [self.rank_path(r, nsteps).name for r in (RELAX_RANK, MD_RANK)]
-            meta = {
-                "kind": _MANIFEST_KIND,
-                "nsteps": nsteps,
-                "rank_files": files,
-                "settings": self.job.settings,
-                **self.job.meta,
-            }
-            arrays = self.job.arrays | pipeline.shared_arrays()
-            save_checkpoint(self.manifest, meta, arrays)
-        dist.barrier(group=group)  # the manifest names the new pair
-        if self.current is not None and self.current != path:
-            self.current.unlink(missing_ok=True)
-        self.current = path
-        self.written_at = nsteps
-
-
-def _same_settings(path: Path, saved: Any, current: dict[str, Any]) -> None:
-    """Refuse a manifest written with other settings, naming the first one."""
-    if saved == current:
-        return
-    field, mine, theirs = _first_difference(saved, current, "")
-    raise CheckpointError(
-        f"restart file {path}: setting {field!r} is {mine!r} in the checkpoint but "
-        f"{theirs!r} here (another job); {checkpoint_fix()}"
-    )
-
-
-def _first_difference(saved: Any, current: Any, prefix: str) -> tuple[str, Any, Any]:
-    if isinstance(saved, dict) and isinstance(current, dict):
-        for key in sorted(set(saved) | set(current)):
-            if saved.get(key) != current.get(key):
-                name = f"{prefix}.{key}" if prefix else str(key)
-                return _first_difference(saved.get(key), current.get(key), name)
-    return prefix or "settings", saved, current
-
-
-def _states_to_save(
-    indices: npt.NDArray[np.intp], images: list[Any]
-) -> dict[str, npt.NDArray[Any]]:
-    """Return the final states of ``indices`` as checkpoint tags (``final/...``)."""
-    states = [_state(int(index), images[index], momenta=True)[1] for index in indices]
-
-    def stacked(key: str, shape: tuple[int, ...]) -> npt.NDArray[np.float64]:
-        if not states:
-            return np.zeros((0, *shape))
-        return np.concatenate(
-            [np.reshape(state[key], (-1, *shape)) for state in states]
-        )
-
-    return {
-        "final/index": np.asarray(indices, dtype=np.int64),
-        "final/positions": stacked("positions", (3,)),
-        "final/cell": stacked("cell", (3, 3)),
-        "final/momenta": stacked("momenta", (3,)),
-        "final/energy": np.array(
-            [state["results"]["energy"] for state in states], dtype=np.float64
-        ),
-        "final/forces": np.concatenate([state["results"]["forces"] for state in states])
-        if states
-        else np.zeros((0, 3)),
-    }
-
-
-def _saved_states(
-    tags: dict[str, npt.NDArray[Any]], images: list[Any]
-) -> list[tuple[int, dict[str, Any]]]:
-    """Return the final states :func:`_states_to_save` stored (``write_back``)."""
-    states = []
-    start = 0
-    for position, index in enumerate(tags["final/index"].tolist()):
-        stop = start + len(images[index])
-        energy = float(tags["final/energy"][position])
-        states.append(
-            (
-                index,
-                {
-                    "positions": tags["final/positions"][start:stop],
-                    "cell": tags["final/cell"][position],
-                    "momenta": tags["final/momenta"][start:stop],
-                    "results": {
-                        "energy": energy,
-                        "free_energy": energy,
-                        "forces": tags["final/forces"][start:stop],
-                    },
-                },
-            )
-        )
-        start = stop
-    return states
