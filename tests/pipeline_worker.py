@@ -12,11 +12,18 @@ With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
 at :data:`KICK` momentum, which moves it further than the failure guard allows
 in its first MD step; the failures go to the npz file too. With ``md=NAME``
 the MD stage is :func:`integrator`'s ``NAME`` instead of velocity Verlet.
+
+Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
+(``interval=K``: ``restart_interval=K``), ``steps=N`` runs ``run(N)`` instead
+of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
+itself) when they have taken step ``N``, before its frames (a kill between
+checkpoints).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -55,8 +62,10 @@ def integrator(name, structures, targets=None):
     ``Langevin`` runs without friction (no noise: the pipeline's MD batch and
     the fused run's draw different noise), with one temperature per
     structure still handed over; ``NVTBerendsen`` couples each structure to
-    its own temperature within a few steps (taut 10 fs). ``targets``: other
-    temperatures (K, one per structure) than :data:`THERMOSTAT_K`.
+    its own temperature within a few steps (taut 10 fs); ``SeededLangevin``
+    is Langevin with friction, its noise seeded (the pipeline's own noise: a
+    continued run must draw the same). ``targets``: other temperatures (K, one
+    per structure) than :data:`THERMOSTAT_K`.
     """
     from nvalchemi_ase import md
 
@@ -67,6 +76,10 @@ def integrator(name, structures, targets=None):
     if name == "Langevin":
         return md.Langevin(
             structures, TIMESTEP, temperature_K=targets, friction=0.0, seed=7
+        )
+    if name == "SeededLangevin":
+        return md.Langevin(
+            structures, TIMESTEP, temperature_K=targets, friction=0.05, seed=11
         )
     if name == "NVTBerendsen":
         return md.NVTBerendsen(
@@ -87,22 +100,38 @@ def state(structures, stage, relax_steps) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
+def build(arguments, **changes):
+    """The structures, pipeline and ``run`` steps of a worker's command line.
+
+    ``arguments``: ``OPTIMIZER ORDER FOLDER [options]`` (see the module
+    docstring); ``changes``: other keywords for ``pipe`` (a test builds
+    another job in one process).
+    """
     from nvalchemi_ase import NVAlchemiCalculator, optimize
 
-    optimizer = getattr(optimize, sys.argv[1])
-    order = [int(index) for index in sys.argv[2].split(",")]
-    folder = Path(sys.argv[3])
+    optimizer = getattr(optimize, arguments[0])
+    order = [int(index) for index in arguments[1].split(",")]
+    folder = Path(arguments[2])
     files: dict = {}
     kicked = None
     stage = "VelocityVerlet"
-    for option in sys.argv[4:]:
-        if option.startswith("kick="):
-            kicked = int(option.removeprefix("kick="))
-        elif option.startswith("md="):
-            stage = option.removeprefix("md=")
+    steps, die = 1000, None
+    for option in arguments[3:]:
+        name, _, value = option.partition("=")
+        if name == "kick":
+            kicked = int(value)
+        elif name == "md":
+            stage = value
+        elif name == "restart":
+            files["restart"] = str(folder / value)
+        elif name == "interval":
+            files["restart_interval"] = int(value)
+        elif name == "steps":
+            steps = int(value)
+        elif name == "die":
+            die = int(value)
         else:
-            files = {
+            files |= {
                 "trajectory": str(folder / "pipe_{i}.traj"),
                 "logfile": str(folder / "pipe.log"),
                 "loginterval": int(option),
@@ -113,10 +142,18 @@ def main() -> None:
         momenta = structures[kicked].get_momenta()
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
-    pipeline = optimizer(structures, logfile=None).pipe(
-        integrator(stage, structures), **PIPE, **files
-    )
-    done = pipeline.run(1000)
+    relax, dynamics = optimizer(structures, logfile=None), integrator(stage, structures)
+    pipeline = relax.pipe(dynamics, **(PIPE | files | changes))
+    if die is not None:
+        for part in (relax, dynamics):
+            part.attach(_killer(part, die))
+    return structures, pipeline, steps
+
+
+def main() -> None:
+    structures, pipeline, steps = build(sys.argv[1:])
+    folder = Path(sys.argv[3])
+    done = pipeline.run(steps)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
     failures = np.array(
@@ -131,6 +168,16 @@ def main() -> None:
         reasons=reasons,
         **result,
     )
+
+
+def _killer(part, step):
+    """Observer: SIGKILL this process when ``part`` takes step ``step``."""
+
+    def kill():
+        if part.nsteps == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
 
 
 if __name__ == "__main__":

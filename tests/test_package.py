@@ -392,7 +392,7 @@ def test_code_is_ruff_clean():
 
 # Drivers that use the run core and the dynamics classes only through their
 # public members (and the engine protocol).
-THIN_CLIENTS = ("runners", "compose.py", "pipeline.py")
+THIN_CLIENTS = ("runners", "compose.py", "pipeline")
 
 
 def _private_reaches(path: Path) -> list[str]:

@@ -8,6 +8,7 @@ starts them (:func:`tests.helpers.torchrun`).
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import numpy as np
@@ -17,12 +18,14 @@ from ase.io import read
 
 from nvalchemi_ase import NVAlchemiCalculator, md, optimize
 from nvalchemi_ase.compose import FINISHED
+from nvalchemi_ase.dynamics.checkpoint import CheckpointError, read_checkpoint
 from nvalchemi_ase.pipeline import RelaxThenMDPipeline
 from tests.helpers import torchrun
 from tests.pipeline_worker import (
     PIPE,
     THERMOSTAT_K,
     TIMESTEP,
+    build,
     images,
     integrator,
     state,
@@ -259,7 +262,7 @@ def test_the_pipeline_checks_its_parts(lj_calc64):
         relax | relax
     with pytest.raises(ValueError, match="md_steps must be >= 1"):
         relax.pipe(integrate, md_steps=0)
-    with pytest.raises(ValueError, match="no checkpoints yet, and FIRE2 was given"):
+    with pytest.raises(ValueError, match="and FIRE2 was given restart="):
         optimize.FIRE2(structures, logfile=None, restart="never-written.npz") | (
             integrate
         )
@@ -303,3 +306,188 @@ def test_the_pipeline_needs_an_md_batch_that_resizes_in_place(lj_calc64, tmp_pat
     )
     with pytest.raises(ValueError, match="trajectory= of the pipeline"):
         relax | with_file
+
+
+# -- checkpoints (restart=) ----------------------------------------------------
+
+# The run every restart test stops and continues: FIRE | Langevin with its
+# noise on (seeded), frames and log lines every 2 steps, and the structure at
+# position 1 kicked: it relaxes in one step and fails at its first MD step
+# (step 2). The others reach MD at steps 30 and 39 and finish at step 54.
+RESUMED = ("kick=1", "md=SeededLangevin")
+RESUMED_LOGINTERVAL = 2
+# A continued run repeats the uninterrupted run's arithmetic (float64).
+RESUME_ATOL = {"positions": 1e-10, "momenta": 1e-10, "forces": 1e-10}
+RESUME_ENERGY_ATOL = 1e-10  # eV
+RESUME_STRESS_ATOL = 1e-12  # eV/Å³
+
+
+def _resumed_run(folder, *options: str) -> list[dict]:
+    return _pipelined(
+        "FIRE", ORDER, folder, RESUMED_LOGINTERVAL, options=(*RESUMED, *options)
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run without checkpoints: its folder and both ranks' results."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    return folder, _resumed_run(folder)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """The run stopped by ``run(7)``, checkpoints every 3 steps (the MD batch
+    is empty then: the kicked structure failed at step 2, the next arrives at
+    step 30)."""
+    folder = tmp_path_factory.mktemp("stopped")
+    return folder, _resumed_run(folder, "restart=ckpt.npz", "interval=3", "steps=7")
+
+
+def _assert_same_run(folder, ranks: list[dict], reference) -> None:
+    """Both ranks' results and every file as the uninterrupted run's."""
+    expected_folder, expected_ranks = reference
+    for got, expected in zip(ranks, expected_ranks, strict=True):
+        assert set(got) == set(expected)
+        for key in ("done", "nsteps", "failures", "reasons", "stage", "relax_steps"):
+            np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+        np.testing.assert_allclose(
+            got["energies"], expected["energies"], atol=RESUME_ENERGY_ATOL
+        )
+        for key, atol in RESUME_ATOL.items():
+            np.testing.assert_allclose(got[key], expected[key], atol=atol, err_msg=key)
+    for index in range(len(ORDER)):
+        mine = read(folder / f"pipe_{index}.traj", ":")
+        theirs = read(expected_folder / f"pipe_{index}.traj", ":")
+        assert len(mine) == len(theirs), index
+        for number, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            where = f"structure {index}, frame {number}"
+            assert a.get_potential_energy() == pytest.approx(
+                b.get_potential_energy(), abs=RESUME_ENERGY_ATOL
+            ), where
+            for key, atol in RESUME_ATOL.items():
+                np.testing.assert_allclose(
+                    getattr(a, f"get_{key}")(),
+                    getattr(b, f"get_{key}")(),
+                    atol=atol,
+                    err_msg=f"{where}: {key}",
+                )
+            assert ("stress" in a.calc.results) == ("stress" in b.calc.results), where
+            if "stress" in b.calc.results:
+                np.testing.assert_allclose(
+                    a.get_stress(), b.get_stress(), atol=RESUME_STRESS_ATOL
+                )
+    for name in ("pipe.log", "pipe.rank1.log"):
+        assert (folder / name).read_text() == (expected_folder / name).read_text()
+    # the finished job's hidden frame files are gone; its checkpoint stays
+    assert sorted(path.name for path in folder.glob(".*")) == []
+    manifest = read_checkpoint(folder / "ckpt.npz")
+    assert manifest.meta["nsteps"] == int(expected_ranks[0]["nsteps"])
+    assert sorted(path.name for path in folder.glob("ckpt.rank*")) == sorted(
+        manifest.meta["rank_files"]
+    )
+
+
+@pytest.mark.slow  # three torchrun launches
+def test_a_stopped_run_continued_ends_as_the_uninterrupted_run(
+    uninterrupted, stopped, tmp_path
+):
+    """``run(7)`` then ``run()`` again in a new launch (restart=): every rank's
+    results, frames and log lines as without the stop; the structure that
+    failed before the stop stays quarantined (reported once, by input index,
+    step and reason; not in the MD batch again)."""
+    folder = tmp_path / "moved"  # a run's folder may move between the launches
+    shutil.copytree(stopped[0], folder)
+    for rank in stopped[1]:
+        assert not bool(rank["done"])
+        assert int(rank["nsteps"]) == 7
+        assert rank["failures"].tolist() == [[1, 2]]
+    assert read_checkpoint(folder / "ckpt.npz").meta["nsteps"] == 7
+    ranks = _resumed_run(folder, "restart=ckpt.npz", "interval=3")
+    for rank in ranks:
+        assert rank["failures"].tolist() == [[1, 2]]
+        assert "max_displacement" in str(rank["reasons"][0])
+    _assert_same_run(folder, ranks, uninterrupted)
+    # launched once more, the finished job changes no file and ends at once
+    outputs = ("rank0.npz", "rank1.npz")  # the worker's, written again
+    written = {
+        p.name: p.read_bytes() for p in folder.iterdir() if p.name not in outputs
+    }
+    again = _resumed_run(folder, "restart=ckpt.npz", "interval=3")
+    for rank in again:
+        assert bool(rank["done"])
+        assert int(rank["nsteps"]) == int(uninterrupted[1][0]["nsteps"])
+    for name, content in written.items():
+        assert (folder / name).read_bytes() == content, name
+    _assert_same_run(folder, again, uninterrupted)
+
+
+@pytest.mark.slow  # three torchrun launches
+def test_a_killed_run_continues_from_its_last_checkpoint(uninterrupted, tmp_path):
+    """Both ranks SIGKILLed at step 35 (MD batch in use, checkpoints every 4
+    steps): the launch continues from step 32 (the MD batch restored with its
+    thermostat's noise counters), the frames and log lines written after it
+    are cut, and everything ends as the uninterrupted run."""
+    options = ("restart=ckpt.npz", "interval=4")
+    with pytest.raises(AssertionError):  # torchrun reports the killed ranks
+        _resumed_run(tmp_path, *options, "die=35")
+    assert read_checkpoint(tmp_path / "ckpt.npz").meta["nsteps"] == 32
+    logged = (tmp_path / "pipe.log").read_text().splitlines()
+    assert len(logged) > 1 + 32 // RESUMED_LOGINTERVAL  # lines after the checkpoint
+    # as if rank 0 had written its next file and was killed before the
+    # manifest named it: never read, removed
+    shutil.copy(tmp_path / "ckpt.rank0.step32.npz", tmp_path / "ckpt.rank0.step36.npz")
+    ranks = _resumed_run(tmp_path, *options)
+    _assert_same_run(tmp_path, ranks, uninterrupted)
+
+
+@pytest.mark.slow  # the stopped run's launch
+def test_a_checkpoint_of_another_job_is_refused(stopped, tmp_path):
+    """The stopped run's checkpoint continues the same job only: other settings,
+    other inputs or a checkpoint of another kind are refused, naming the
+    field, before any file is touched."""
+    folder = stopped[0]
+    arguments = ["FIRE", ",".join(map(str, ORDER)), str(folder), "2", *RESUMED]
+    arguments.append("restart=ckpt.npz")
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    _, same, _ = build(arguments)
+    assert same.continued
+    assert same.nsteps == 7
+    assert [(f.index, f.step) for f in same.failures] == [(1, 2)]
+    with pytest.raises(CheckpointError, match="setting 'md_steps' is 15 in the"):
+        build(arguments, md_steps=16)
+    with pytest.raises(CheckpointError, match=r"setting 'fmax' is 0\.01 in the"):
+        build(arguments, fmax=0.02)
+    with pytest.raises(CheckpointError, match=r"setting 'md\.friction' is 0\.05"):
+        build([*arguments[:4], "kick=1", "md=Langevin", "restart=ckpt.npz"])
+    with pytest.raises(CheckpointError, match=r"images\[1\] is not the structure"):
+        build([*arguments[:4], "md=SeededLangevin", "restart=ckpt.npz"])  # no kick
+    single = tmp_path / "single.npz"
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    optimize.FIRE(images(calc, [0]), logfile=None, restart=single).run(steps=1)
+    _, relax, integrate = _parts(calc)
+    with pytest.raises(CheckpointError, match=r"not a checkpoint of optimizer \| md"):
+        relax.pipe(integrate, restart=single)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
+def test_continue_from_takes_a_checkpoint_into_a_built_object(lj_calc64, tmp_path):
+    """``continue_from(path)``, how each rank continues its part: a built object
+    takes a checkpoint as ``restart=`` would and ends bit for bit as the run
+    never stopped; a checkpoint of other structures is refused."""
+    reference = images(lj_calc64, [0, 1, 2])
+    md.VelocityVerlet(reference, TIMESTEP).run(6)
+    first = md.VelocityVerlet(images(lj_calc64, [0, 1, 2]), TIMESTEP)
+    first.run(3)
+    first.write_checkpoint(tmp_path / "md.npz")
+    structures = images(lj_calc64, [0, 1, 2])
+    again = md.VelocityVerlet(structures, TIMESTEP)
+    again.continue_from(tmp_path / "md.npz")
+    assert again.nsteps == 3
+    again.run(3)
+    for mine, theirs in zip(structures, reference, strict=True):
+        np.testing.assert_allclose(mine.positions, theirs.positions, atol=1e-10)
+        np.testing.assert_allclose(mine.get_momenta(), theirs.get_momenta(), atol=1e-10)
+    other = md.VelocityVerlet(images(lj_calc64, [0, 2]), TIMESTEP)
+    with pytest.raises(CheckpointError, match="'n_structures' is 3 in the"):
+        other.continue_from(tmp_path / "md.npz")

@@ -1184,6 +1184,32 @@ class BatchedDynamics(AseBaseDynamics):
         if path is None:
             self._checkpoint_nsteps = self.nsteps
 
+    def continue_from(self, path: str | os.PathLike[str]) -> None:
+        """Take the state of a checkpoint written by :meth:`write_checkpoint`.
+
+        What ``restart=path`` does at construction, for an object already
+        built (the stage pipeline continues each rank's part this way, after
+        resizing the MD batch to the structures of the checkpoint): the next
+        run starts at the checkpoint's step and goes on bit for bit as the
+        run that wrote it. The file is only read (this object's own
+        ``restart``, if any, is unchanged).
+
+        Parameters
+        ----------
+        path : str or path
+            A checkpoint of an object with these structures, class, model and
+            arguments.
+
+        Raises
+        ------
+        CheckpointError
+            If the file cannot be read or does not match (named field, fix).
+        """
+        checkpoint = read_checkpoint(path)
+        check_matches(self, checkpoint)
+        self._continue_from(checkpoint)
+        self._continued = True
+
     def _setup_restart(
         self,
         restart: str | os.PathLike[str] | None,

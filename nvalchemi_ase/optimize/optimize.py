@@ -364,6 +364,8 @@ class BatchedOptimizer(BatchedDynamics):
         trajectory: Any = None,
         logfile: Any = None,
         loginterval: int = 1,
+        restart: Any = None,
+        restart_interval: int | None = None,
     ) -> RelaxThenMDPipeline:
         """Relax on rank 0 and run MD on rank 1 (two ranks started by torchrun).
 
@@ -380,6 +382,10 @@ class BatchedOptimizer(BatchedDynamics):
             As for ``optimizer + md``: one trajectory per structure with its
             relaxation then MD frames; see
             :class:`~nvalchemi_ase.pipeline.RelaxThenMDPipeline` for the logs.
+        restart, restart_interval
+            The pipeline's checkpoint (a manifest, with one file per rank
+            beside it) and the steps between its writes; see
+            :class:`~nvalchemi_ase.pipeline.RelaxThenMDPipeline`.
 
         Returns
         -------
@@ -396,6 +402,8 @@ class BatchedOptimizer(BatchedDynamics):
             trajectory=trajectory,
             logfile=logfile,
             loginterval=loginterval,
+            restart=restart,
+            restart_interval=restart_interval,
         )
 
     def __or__(self, md: MDPart) -> RelaxThenMDPipeline:

@@ -63,9 +63,43 @@ and noiseless Langevin with one temperature per structure;
 number of optimizer steps and ends where the fused run ends, to round-off, on
 both ranks, and the trajectories agree frame by frame.
 
-No checkpoints yet: parts given ``restart=`` are refused (each would write
-its own rank's batch, which cannot continue the pipeline); the single-process
-``optimizer + md`` continues a run bit for bit.
+Checkpoints (``restart=PATH``, ``restart_interval=``, ASE's names, given to
+the pipeline: ``optimizer.pipe(md, restart="pipe.npz")``; parts given their
+own ``restart=`` are refused): ``PATH`` is a manifest (the package's
+checkpoint format, :mod:`nvalchemi_ase.dynamics.checkpoint`) holding the step,
+the state both ranks share (:attr:`~RelaxThenMDPipeline.stage`,
+``relax_steps``, failures), the job's identity and the names of one file per
+rank beside it (``pipe.rank0.stepN.npz``: the optimizer's checkpoint;
+``pipe.rank1.stepN.npz``: the MD object's, or its bookkeeping alone while no
+structure is in MD). Each rank's file carries its bookkeeping as tags: rank
+0 which structures were handed over; rank 1 the input index of each row of
+its MD batch, each structure's MD entry step, and the final states of the
+structures that left MD; both the frames in their hidden trajectory files
+and the size of their log. They are written every ``restart_interval`` steps
+(default 100) and when :meth:`~RelaxThenMDPipeline.run` ends, after that
+step's exchange, so no structure is in transit between the ranks. Both ranks
+write their new file, then rank 0 replaces the manifest (``os.replace``),
+then each removes its previous file: a kill at any point leaves a manifest
+naming two files of one step (a newer file it does not name is removed when
+the run continues).
+
+If ``PATH`` exists, the pipeline continues (as ASE's ``restart=``): the
+manifest must belong to the same job (the structures as given, model,
+the parts' arguments, ``fmax``, ``md_steps``, ``loginterval`` and the file
+names; else a :class:`~nvalchemi_ase.dynamics.checkpoint.CheckpointError`
+names the field, before any file is touched). :meth:`run` then continues
+rank 0's optimizer from its file, resizes rank 1's MD batch to the
+checkpoint's structures (each with its own per-structure arguments) and
+continues it from its file (positions, velocities, thermostat state,
+neighbour lists, seed and step count: the noise of a seeded stochastic
+thermostat goes on as it would have), gives back the final states of the
+structures that left MD, cuts the hidden frame files and logs back to the
+checkpoint (a killed run may have written more) and appends to them; a
+failed structure stays failed. A run stopped by ``run(steps)`` or killed and
+continued this way ends with every rank's ``Atoms``, trajectories and logs
+as the uninterrupted run's (``tests/test_pipeline.py``: bit for bit in
+float64). With ``restart=`` the hidden frame files of an unfinished run stay
+beside the trajectories; a finished job launched again changes no file.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
@@ -93,9 +127,22 @@ from nvalchemi_ase.compose import (
     check_parts,
 )
 from nvalchemi_ase.devices import GROUP_TIMEOUT
+from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL, Checkpoint
 from nvalchemi_ase.dynamics.failures import StructureFailure
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
+from nvalchemi_ase.pipeline.restart import (
+    FRAMES_TAG,
+    LOG_TAG,
+    PipelineCheckpoints,
+    RankState,
+    job_identity,
+    restartable,
+    saved_states,
+    states_to_save,
+    structure_state,
+    write_tags,
+)
 from nvalchemi_ase.typing import LogfileLike, TrajectoryLike
 
 __all__ = ["MD_RANK", "RELAX_RANK", "RelaxThenMDPipeline"]
@@ -141,6 +188,13 @@ class RelaxThenMDPipeline:
         file. The logs are not merged.
     loginterval : int
         Frame and log interval, in steps.
+    restart : str or path, optional
+        The checkpoint's manifest (see the module notes): continued from if it
+        exists, (re)written every ``restart_interval`` steps and when
+        :meth:`run` ends; the two rank files go beside it.
+    restart_interval : int, optional
+        Steps between checkpoints (default
+        :data:`~nvalchemi_ase.dynamics.checkpoint.DEFAULT_RESTART_INTERVAL`).
 
     Attributes
     ----------
@@ -155,7 +209,10 @@ class RelaxThenMDPipeline:
         and MD steps, as the fused run counts) and reason; they keep their last
         good state, and the others go on.
     nsteps : int
-        Steps run (each is one step of each rank).
+        Steps run (each is one step of each rank); a continued run starts at
+        its checkpoint's.
+    continued : bool
+        Whether ``restart`` named an existing checkpoint.
     md_parameters : dict of str to numpy.ndarray, shape (B,)
         The MD object's per-structure arguments (``temperature_K``, ...) as
         given at construction, input order (``md.parameter_table()``); each
@@ -172,6 +229,8 @@ class RelaxThenMDPipeline:
         trajectory: TrajectoryLike = None,
         logfile: LogfileLike = None,
         loginterval: int = 1,
+        restart: str | os.PathLike[str] | None = None,
+        restart_interval: int | None = None,
     ) -> None:
         check_parts(optimizer, md, operator="|")
         _check_no_constraints(md.images)
@@ -189,10 +248,16 @@ class RelaxThenMDPipeline:
         ]
         if with_restart:
             raise ValueError(
-                f"optimizer | md has no checkpoints yet, and {with_restart[0]} was "
-                "given restart=: its own checkpoint of one rank's batch could not "
-                "continue the pipeline; create the parts without restart=, or use "
-                "optimizer + md (restart=) in one process"
+                f"optimizer | md checkpoints both ranks together, and "
+                f"{with_restart[0]} was given restart=: its own checkpoint of one "
+                "rank's batch could not continue the pipeline; create the parts "
+                "without restart= and give it to the pipeline "
+                "(optimizer.pipe(md, restart=PATH))"
+            )
+        if restart is not None and optimizer.trajectories:
+            raise ValueError(
+                "optimizer | md with restart= continues the trajectories it writes "
+                "itself: give trajectory= to the pipeline, not to the optimizer"
             )
         if md.trajectories:
             raise ValueError(
@@ -218,9 +283,8 @@ class RelaxThenMDPipeline:
         self.nsteps = 0
         self._trajectory_paths: list[Path] = []
         if trajectory is not None:
-            # checked (and existing files removed, as ASE does) on every rank
             targets = TrajectorySet(
-                trajectory, count, append=False, description=self._description
+                trajectory, count, append=True, description=self._description
             )
             if any(path is None for path in targets.paths):
                 raise ValueError(
@@ -229,6 +293,30 @@ class RelaxThenMDPipeline:
                     "objects: each rank is its own process"
                 )
             self._trajectory_paths = [p for p in targets.paths if p is not None]
+        self.restart = None if restart is None else os.fspath(restart)
+        self.restart_interval = (
+            DEFAULT_RESTART_INTERVAL if restart_interval is None else restart_interval
+        )
+        if not int(self.restart_interval) >= 1:
+            raise ValueError(
+                f"restart_interval must be >= 1 (steps), got {restart_interval}"
+            )
+        self.restart_interval = int(self.restart_interval)
+        self._checkpoints = None
+        manifest = None
+        if self.restart is not None:
+            # the job a checkpoint must belong to: inputs, model and settings
+            job = job_identity(self, self._trajectory_paths, logfile)
+            self._checkpoints = PipelineCheckpoints(Path(self.restart), job)
+            manifest = self._checkpoints.read(self.images, md)
+        if manifest is None:
+            for path in self._trajectory_paths:  # as ASE does, on every rank
+                path.unlink(missing_ok=True)
+        else:
+            self._take_manifest(manifest)
+        #: Continued from a checkpoint (``restart=`` named an existing one).
+        self.continued = manifest is not None
+        self._resume_pending = self.continued  # the next run() takes the files
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -253,7 +341,9 @@ class RelaxThenMDPipeline:
         Parameters
         ----------
         steps : int
-            Limit on steps (each is one step of each rank).
+            Steps to run at most from :attr:`nsteps` (each is one step of each
+            rank; a continued run counts from its checkpoint's step, as the
+            single-process classes do).
 
         Returns
         -------
@@ -270,22 +360,32 @@ class RelaxThenMDPipeline:
             raise ValueError(f"steps must be >= 0, got {steps}")
         import torch.distributed as dist
 
+        limit = self.nsteps + steps
         with _process_group(self.md.setup.device) as group:
             rank = dist.get_rank()
-            frames = self._frame_writer(rank)
+            saved = None
+            if self._checkpoints is not None and self._resume_pending:
+                saved = self._checkpoints.rank_state(rank)
+                self._resume_pending = False
+            frames = self._frame_writer(rank, saved)
             stage: _Relaxation | _Dynamics = (
                 _Relaxation(self, frames)
                 if rank == RELAX_RANK
                 else _Dynamics(self, frames)
             )
-            log = self._open_log(rank)
+            log = self._open_log(rank, saved)
             done = False
             try:
-                report = stage.start()
+                report = stage.start() if saved is None else stage.resume(saved)
                 for _ in range(steps + 1):
                     self._exchange(report, stage, group)
                     done = bool((self.stage >= FINISHED).all())
-                    if done or self.nsteps == steps:
+                    ending = done or self.nsteps == limit
+                    if self._checkpoints is not None and self.nsteps > 0:
+                        self._checkpoints.write_if_due(
+                            self, stage, frames, group, ending=ending
+                        )
+                    if ending:
                         break
                     report = stage.advance()
                     self.nsteps += 1
@@ -298,7 +398,7 @@ class RelaxThenMDPipeline:
             gathered: list[Any] = [None] * dist.get_world_size()
             # also the barrier after which rank 1's frame files are complete
             dist.all_gather_object(gathered, stage.final_states(), group=group)
-            self._write_back(gathered[1 - rank])
+            self.write_back(gathered[1 - rank])
             if self._trajectory_paths:
                 if rank == RELAX_RANK:
                     self._join_trajectories(done)
@@ -327,7 +427,7 @@ class RelaxThenMDPipeline:
         if isinstance(stage, _Dynamics):
             stage.admit(relaxed["arrivals"], self.nsteps)
 
-    def _write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
+    def write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
         """Write the other rank's final states into this rank's ``Atoms``."""
         for index, state in states:
             atoms = self.images[index]
@@ -353,15 +453,63 @@ class RelaxThenMDPipeline:
             for path in self._trajectory_paths
         ]
 
-    def _frame_writer(self, rank: int) -> TrajectorySet | None:
-        """Return this rank's frame files (an earlier run's removed), or None."""
+    def _frame_writer(self, rank: int, saved: RankState | None) -> TrajectorySet | None:
+        """Return this rank's frame files, or None.
+
+        A new run removes an earlier run's; a continued one cuts them back to
+        the frames its checkpoint counted (a killed run may have written more)
+        and appends.
+        """
+        self._frames_at_start = np.zeros(len(self.images), dtype=np.int64)
         if not self._trajectory_paths:
             return None
         part = "relax" if rank == RELAX_RANK else "md"
         paths = [str(path) for path in self._temporary_paths(part)]
-        return TrajectorySet(
-            paths, len(paths), append=False, description=self._description
+        frames = TrajectorySet(
+            paths, len(paths), append=saved is not None, description=self._description
         )
+        if saved is not None:
+            counts = saved.tags[FRAMES_TAG].astype(np.int64)
+            frames.truncate(counts)
+            self._frames_at_start = counts
+        return frames
+
+    def frame_counts(self, frames: TrajectorySet | None) -> npt.NDArray[np.int64]:
+        """Frames in this rank's files now, per structure (for a checkpoint)."""
+        written = 0 if frames is None else frames.written
+        return self._frames_at_start + written
+
+    def _take_manifest(self, manifest: Checkpoint) -> None:
+        """Take the shared state of a checkpoint (the same on both ranks)."""
+        shared = manifest.group("pipeline")
+        self.nsteps = int(manifest.meta["nsteps"])
+        self.stage = shared["stage"].astype(np.int64)
+        self.relax_steps = shared["relax_steps"].astype(np.int64)
+        self.failures = [
+            StructureFailure(int(index), int(step), str(reason))
+            for index, step, reason in zip(
+                shared["failure_index"],
+                shared["failure_step"],
+                shared["failure_reason"],
+                strict=True,
+            )
+        ]
+
+    def shared_arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """Return the state both ranks hold alike, for the manifest."""
+        return {
+            "pipeline/stage": self.stage.copy(),
+            "pipeline/relax_steps": self.relax_steps.copy(),
+            "pipeline/failure_index": np.array(
+                [f.index for f in self.failures], dtype=np.int64
+            ),
+            "pipeline/failure_step": np.array(
+                [f.step for f in self.failures], dtype=np.int64
+            ),
+            "pipeline/failure_reason": np.array(
+                [f.reason for f in self.failures], dtype=str
+            ).reshape(-1),
+        }
 
     def _join_trajectories(self, done: bool) -> None:
         """Rank 0: each structure's relaxation then MD frames into its file.
@@ -370,6 +518,10 @@ class RelaxThenMDPipeline:
         with copies of its final state (with the stress of its last frame) up
         to the fused run's last step, as ``optimizer + md`` goes on writing
         finished structures until the last one finishes.
+
+        With ``restart=`` the hidden files of a run that did not finish stay
+        (the checkpoint's frames, appended to when it continues); a finished
+        job's are removed, and running it again leaves its files as they are.
         """
         from ase.calculators.singlepoint import SinglePointCalculator
         from ase.io.trajectory import Trajectory
@@ -379,6 +531,9 @@ class RelaxThenMDPipeline:
         last = int(np.delete(ends, finished).max(initial=0))
         pad_to = last if done and self.md_steps is not None else None
         relax, md = self._temporary_paths("relax"), self._temporary_paths("md")
+        if self.restart is not None and not any(p.exists() for p in relax + md):
+            return  # a finished job run again: its files are whole
+        keep_parts = self.restart is not None and not done
         for index, target in enumerate(self._trajectory_paths):
             joined = target.with_name(f".{target.name}.tmp")
             with Trajectory(joined, "w") as writer:
@@ -405,17 +560,37 @@ class RelaxThenMDPipeline:
                     for _ in range(pad):
                         writer.write(atoms)
             os.replace(joined, target)
-            relax[index].unlink(missing_ok=True)
-            md[index].unlink(missing_ok=True)
+            if not keep_parts:
+                relax[index].unlink(missing_ok=True)
+                md[index].unlink(missing_ok=True)
 
-    def _open_log(self, rank: int) -> Any:
-        """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path)."""
+    def log_path(self, rank: int) -> Path | None:
+        """Return the log file of ``rank`` (rank 1: ``STEM.rank1SUFFIX``), or None."""
+        target = self.logfile
+        if not target or not isinstance(target, str | os.PathLike) or target == "-":
+            return None
+        path = Path(target)
+        if rank == MD_RANK:
+            path = path.with_name(f"{path.stem}.rank1{path.suffix}")
+        return path
+
+    def _open_log(self, rank: int, saved: RankState | None) -> Any:
+        """Open the log of ``rank`` (rank 1: ``STEM.rank1SUFFIX`` beside a path).
+
+        A continued run cuts the file back to its size at the checkpoint
+        (lines a killed run wrote after it would repeat) and writes no header.
+        """
         target = self.logfile
         if not target:
             return None
-        if rank == MD_RANK and isinstance(target, str | os.PathLike) and target != "-":
-            path = Path(target)
-            target = str(path.with_name(f"{path.stem}.rank1{path.suffix}"))
+        path = self.log_path(rank)
+        if rank == MD_RANK and path is not None:
+            target = str(path)
+        if saved is not None:
+            size = int(saved.tags[LOG_TAG][0])
+            if path is not None and path.exists() and 0 <= size < path.stat().st_size:
+                os.truncate(path, size)
+            return open_log(target)
         log = open_log(target)
         if rank == RELAX_RANK:
             header = ("Step", "relax", "sent", "Epot/N[eV]", "fmax[eV/A]")
@@ -475,6 +650,35 @@ class _Relaxation:
         self._first = self.optimizer.irun(fmax=0.0, steps=1, sync_atoms=False)
         next(self._first)
         return self._report()
+
+    def resume(self, saved: RankState) -> dict[str, Any]:
+        """Continue the optimizer from its checkpoint (a step >= 1).
+
+        The run goes on as ``irun(fmax)``, whose start checks the
+        checkpoint's state again: the structures it finds converged were
+        handed over before the checkpoint (``sent``), so nothing is sent.
+        """
+        restartable(self.optimizer).continue_from(saved.path)
+        self.sent = saved.tags["sent"].astype(bool)
+        self.reported = saved.tags["reported"].astype(bool)
+        self._run = self.optimizer.irun(
+            fmax=self.pipeline.fmax, steps=_UNLIMITED, sync_atoms=False
+        )
+        try:
+            next(self._run)
+        except StopIteration:
+            self._run = None
+        return _nothing() | {"nsteps": self.optimizer.nsteps}
+
+    def write_checkpoint(self, path: Path, tags: dict[str, Any]) -> None:
+        """Write the optimizer's checkpoint with this rank's bookkeeping."""
+        part = restartable(self.optimizer)
+        part.checkpoint_tags = {
+            "sent": self.sent.copy(),
+            "reported": self.reported.copy(),
+            **tags,
+        }
+        part.write_checkpoint(path)
 
     def advance(self) -> dict[str, Any]:
         """One optimizer step; what changed."""
@@ -542,7 +746,7 @@ class _Relaxation:
         """Return the final states of the structures that never left this rank."""
         images = self.pipeline.images
         return [
-            _state(index, images[index], momenta=False)
+            structure_state(index, images[index], momenta=False)
             for index in map(int, np.flatnonzero(~self.sent))
         ]
 
@@ -621,6 +825,66 @@ class _Dynamics:
             self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
             next(self._run)  # the resize evaluated the batch; nothing runs
 
+    def resume(self, saved: RankState) -> dict[str, Any]:
+        """Continue from this rank's checkpoint.
+
+        The structures that left MD before it get their final state back
+        (saved in the file); those in the MD batch are admitted again, in
+        batch order and with their own per-structure arguments, and the MD
+        object continues from its checkpoint (positions, velocities,
+        thermostat state, neighbour lists, step count and seed). With no MD
+        batch, the engine's step count is taken back alone: the noise of the
+        stochastic thermostats counts the engine's steps since the start.
+        """
+        tags = saved.tags
+        self.rows = tags["rows"].astype(np.int64)
+        self.entered = tags["entered"].astype(np.int64)
+        self.done = tags["done"].astype(bool)
+        self.received = tags["received"].astype(bool)
+        self.pipeline.write_back(saved_states(tags, self.pipeline.images))
+        # the noise of a stochastic thermostat counts the engine's steps
+        restartable(self.md).engine.step_count = int(tags["engine_steps"][0])
+        if len(self.rows):
+            images = self.pipeline.images
+            admitted = self.rows.tolist()
+            parameters = {
+                name: values[admitted]
+                for name, values in self.pipeline.md_parameters.items()
+            }
+            self.md.resize(
+                np.zeros(0, dtype=np.int64),
+                [images[index] for index in admitted],
+                parameters=parameters,
+            )
+            restartable(self.md).continue_from(saved.path)
+            self._run = self.md.irun(steps=_UNLIMITED, sync_atoms=False)
+            next(self._run)  # the checkpoint's state, evaluated; nothing runs
+        return _nothing()
+
+    def write_checkpoint(self, path: Path, tags: dict[str, Any]) -> None:
+        """Write the MD object's checkpoint (or, with no MD batch, the tags alone).
+
+        The final states of the structures that left MD go with it: after a
+        restart, this rank's ``Atoms`` of those structures hold the inputs.
+        """
+        left = self.received & self.done
+        left[self.rows] = False
+        tags = {
+            "rows": self.rows.copy(),
+            "entered": self.entered.copy(),
+            "done": self.done.copy(),
+            "received": self.received.copy(),
+            **states_to_save(np.flatnonzero(left), self.pipeline.images),
+            "engine_steps": np.array([restartable(self.md).engine.step_count]),
+            **tags,
+        }
+        if self._run is None:
+            write_tags(path, MD_RANK, tags)
+            return
+        part = restartable(self.md)
+        part.checkpoint_tags = tags
+        part.write_checkpoint(path)
+
     def advance(self) -> dict[str, Any]:
         """One MD step of the structures in MD; what finished or failed."""
         if self._run is None:
@@ -662,7 +926,7 @@ class _Dynamics:
         """Return the final states of the structures that reached MD."""
         images = self.pipeline.images
         return [
-            _state(index, images[index], momenta=True)
+            structure_state(index, images[index], momenta=True)
             for index in map(int, np.flatnonzero(self.received))
         ]
 
@@ -681,24 +945,6 @@ def _close(run: Iterator[bool]) -> None:
 
 def _nothing() -> dict[str, Any]:
     return {"arrivals": [], "failures": [], "finished": [], "nsteps": 0}
-
-
-def _state(index: int, atoms: Any, *, momenta: bool) -> tuple[int, dict[str, Any]]:
-    """Return what the other rank needs to hold structure ``index``'s final state."""
-    results = {
-        "energy": atoms.get_potential_energy(),
-        "free_energy": atoms.get_potential_energy(),
-        "forces": atoms.get_forces(apply_constraint=False),
-    }
-    return (
-        index,
-        {
-            "positions": atoms.positions.copy(),
-            "cell": atoms.cell.array.copy(),
-            "momenta": atoms.get_momenta() if momenta else None,
-            "results": results,
-        },
-    )
 
 
 def _check_no_constraints(images: list[Any]) -> None:
