@@ -61,6 +61,7 @@ __all__ = [
     "is_neighbor_hook",
     "lists_build_apart",
     "load_neighbor_state",
+    "neighbor_fields",
     "neighbor_hooks",
     "neighbor_state",
 ]
@@ -584,6 +585,20 @@ def _within_skin(hook: Any, batch: Batch) -> bool:
     with torch.no_grad():
         moved = (batch.positions - reference).square().sum(dim=1).max()
     return bool(moved <= (0.5 * hook.skin) ** 2)
+
+
+#: A neighbour matrix's fields on the batch (nvalchemi's atom-level keys).
+_MATRIX_FIELDS = ("neighbor_matrix", "num_neighbors", "neighbor_matrix_shifts")
+
+
+def neighbor_fields(batch: Batch) -> tuple[str, ...]:
+    """Return the neighbour-matrix fields ``batch`` carries (none for a COO list).
+
+    A hook writes them at every build or adoption (:meth:`adopt`), so a
+    resized batch need not copy them: the hooks hold the lists themselves.
+    A COO list (its own level of the batch) is left alone.
+    """
+    return tuple(key for key in _MATRIX_FIELDS if key in batch)
 
 
 def _neighbor_data(batch: Batch) -> torch.Tensor | None:

@@ -49,6 +49,7 @@ from nvalchemi_ase.dynamics.neighbors import (
     is_neighbor_hook,
     lists_build_apart,
     load_neighbor_state,
+    neighbor_fields,
     neighbor_state,
 )
 
@@ -292,7 +293,11 @@ class BatchRun:
         kept = torch.as_tensor(np.asarray(keep, dtype=np.int64), device=device)
         parts = []
         if kept.numel():
-            parts.append(old.index_select(kept))
+            # the lists are carried below and written again when the batch is
+            # next evaluated: copying them here would cost more than the rest
+            # of the resize (3904 LJ atoms: 10.6 against 0.9 ms, append 6.0
+            # against 0.5 ms)
+            parts.append(old.index_select(kept, drop=neighbor_fields(old)))
         if arrivals is not None and arrivals.num_graphs:
             parts.append(arrivals)
         if not parts:
