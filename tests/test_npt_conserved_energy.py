@@ -150,6 +150,7 @@ def test_a_batch_gives_each_structures_value(cls, smooth_lj):
     assert energies[1] == pytest.approx(alone.get_conserved_energy(), abs=1e-12)
 
 
+@pytest.mark.slow  # ~10 CPU-s each: 0.5 ps on both sides
 @pytest.mark.parametrize(("ours_cls", "ase_cls"), PAIRS)
 def test_its_drift_is_small_and_larger_than_ases(ours_cls, ase_cls, smooth_lj):
     ours, reference = _pair(ours_cls, ase_cls, smooth_lj)
@@ -224,6 +225,7 @@ def test_different_chain_lengths_equal_ases_at_step_0(
     assert ours.todict()["pchain"] == pchain
 
 
+@pytest.mark.slow  # ~7 CPU-s each: two 0.5 ps runs
 @pytest.mark.parametrize(("tchain", "pchain"), CHAIN_LENGTHS)
 @pytest.mark.parametrize("cls", [IsotropicMTKNPT, MTKNPT])
 def test_different_chain_lengths_drift_as_equal_ones(cls, tchain, pchain, smooth_lj):
