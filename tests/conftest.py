@@ -49,6 +49,7 @@ os.environ.setdefault(
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     _keep_module_fixtures_on_one_worker(items)
+    _start_the_slow_tests_first(items)
     import torch
 
     if torch.cuda.is_available():
@@ -79,6 +80,20 @@ def _keep_module_fixtures_on_one_worker(items):
             if last.scope != "function" and last.baseid == path:
                 item.add_marker(pytest.mark.xdist_group(path))
                 break
+
+
+def _start_the_slow_tests_first(items):
+    """Under pytest-xdist, move the tests marked slow to the front (stable).
+
+    xdist hands tests out in collection order as workers free up, so one
+    expensive test handed out last sets the wall time while the other worker
+    idles; started first, the slow ones are spread and the many short ones
+    fill in at the end. Only on workers (``PYTEST_XDIST_WORKER``): in one
+    process, reordering across modules would set module fixtures up twice.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,24 @@
-"""One rank of the distributed runner tests (``torchrun -m tests.distributed_worker``).
+"""One rank of the distributed tests (``torchrun -m tests.distributed_worker``).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node=N -m
-tests.distributed_worker KINDS FOLDER [COUNT]`` runs each runner of ``KINDS``
-(comma-separated: ``relax``, ``single_points``, ``md``) in turn, with a
-calculator of its own, over :func:`tests.structures.mixed` with the LJ model in
-float64 on the CPU, streaming to ``FOLDER/KIND/out.extxyz``, and writes what the
-list function returned on this rank to ``FOLDER/KIND/returned.rankR.extxyz``
-(every rank gets every structure). The test compares both with a
-single-process run. One launch runs several kinds: each start-up (torchrun and
-two interpreters importing torch and nvalchemi) costs more than a run here.
+tests.distributed_worker JOBS FOLDER [COUNT]`` runs each job of ``JOBS``
+(comma-separated) in turn, in one launch:
+
+- a runner of :data:`RUNS` (``relax``, ``single_points``, ``md``), with a
+  calculator of its own, over :func:`tests.structures.mixed` with the LJ model
+  in float64 on the CPU, streaming to ``FOLDER/JOB/out.extxyz``, and writes
+  what the list function returned on this rank to
+  ``FOLDER/JOB/returned.rankR.extxyz`` (every rank gets every structure);
+  ``relax-resumed`` is ``relax`` with ``resume=True`` (into
+  ``FOLDER/relax-resumed``, where the test left a killed run's shard files);
+- a command line of :data:`CLI` (``cli-relax``, ``cli-md``): the
+  ``nvalchemi-ase`` main function (what ``torchrun -m nvalchemi_ase`` calls)
+  in ``FOLDER/cli``, writing under ``two``.
+
+The test compares each with a single-process run. One launch runs every job:
+each start-up (torchrun and two interpreters importing torch and nvalchemi,
+~30 s of CPU) costs more than a run here; the default process group the first
+job starts is kept for the later ones, as in a user's script.
 """
 
 from __future__ import annotations
@@ -28,29 +38,86 @@ RUNS = {
         "max_atoms": 160,
     },
 }
+#: Runner jobs that resume a killed run: the runner each runs.
+RESUMED = {"relax-resumed": "relax"}
+
+_LJ = ["--model", "lj", "--device", "cpu", "--dtype", "float64"]
+#: Command lines run in ``FOLDER/cli`` (inputs ``relax.extxyz``, ``md.extxyz``
+#: there), ``{out}`` the output folder: ``two`` under torchrun, ``one`` alone.
+CLI = {
+    "cli-relax": [
+        "relax",
+        "relax.extxyz",
+        *_LJ,
+        "--fmax",
+        "0.02",
+        "-o",
+        "{out}/relaxed.extxyz",
+        "--trajectories",
+        "{out}/traj",
+    ],
+    "cli-md": [
+        "md",
+        "md.extxyz",
+        *_LJ,
+        "--ensemble",
+        "nve",
+        "--steps",
+        "20",
+        "--interval",
+        "5",
+        "-o",
+        "{out}",
+    ],
+}
 
 
-def main() -> None:
+def cli_arguments(job: str, out: str) -> list[str]:
+    """The command line of ``job`` writing under ``out``."""
+    return [argument.replace("{out}", out) for argument in CLI[job]]
+
+
+def _run_runner(job: str, folder: Path, count: int) -> None:
     from nvalchemi_ase import NVAlchemiCalculator, runners
     from tests.helpers import write_results
     from tests.structures import mixed
 
-    kinds, folder = sys.argv[1].split(","), Path(sys.argv[2])
-    count = int(sys.argv[3]) if len(sys.argv) > 3 else 100
+    kind = RESUMED.get(job, job)
+    (folder / job).mkdir(parents=True, exist_ok=True)
+    calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
+    returned = getattr(runners, kind)(
+        mixed(count),
+        calc,
+        output=folder / job / "out.extxyz",
+        resume=job in RESUMED,
+        **RUNS[kind],
+    )
     rank = os.environ.get("RANK", "0")
-    # No process group of the script's own: the first runner starts the
-    # default group and the later ones of the launch reuse it.
-    for kind in kinds:
-        (folder / kind).mkdir(parents=True, exist_ok=True)
-        calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-        returned = getattr(runners, kind)(
-            mixed(count),
-            calc,
-            output=folder / kind / "out.extxyz",
-            resume="--resume" in sys.argv,
-            **RUNS[kind],
-        )
-        write_results(folder / kind / f"returned.rank{rank}.extxyz", returned)
+    write_results(folder / job / f"returned.rank{rank}.extxyz", returned)
+
+
+def _run_cli(job: str, folder: Path) -> None:
+    from nvalchemi_ase.cli.main import main
+
+    here = Path.cwd()
+    os.chdir(folder / "cli")
+    try:
+        code = main(cli_arguments(job, "two"))
+    finally:
+        os.chdir(here)
+    if code != 0:
+        raise SystemExit(f"{job}: exit status {code}")
+
+
+def main() -> None:
+    jobs, folder = sys.argv[1].split(","), Path(sys.argv[2])
+    count = int(sys.argv[3]) if len(sys.argv) > 3 else 100
+    for job in jobs:
+        if job in CLI:
+            _run_cli(job, folder)
+        else:
+            _run_runner(job, folder, count)
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

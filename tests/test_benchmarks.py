@@ -3,7 +3,7 @@
 Speed is not asserted here (timed tests on shared machines are noise); this
 checks that ``python -m benchmarks --quick`` works and its report is complete.
 Every benchmark runs, in a few launches (``--only``) that parallel test
-workers can take at once: two of SevenNet-0, the torchrun one, the others.
+workers can take at once: SevenNet-0's, the models' and torchrun's, the others.
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ SECTIONS = {
 # the GPU suite runs these at the quick sizes too (on the CPU here, in
 # test_gpu_suite_runs_end_to_end_on_the_cpu): they are not launched twice
 IN_THE_GPU_SUITE = ["overhead", "sequential", "runners", "runners-sevennet"]
-# launches of similar length (each a few minutes on a loaded 2-core CPU)
+# launches of similar length (each a few minutes on a loaded 2-core CPU); each
+# launch is an interpreter importing torch and nvalchemi (~10 s of CPU, more
+# with SevenNet-0 loaded), so the SevenNet ones share one and so do the
+# models and torchrun ones
 LAUNCHES = {
-    "sevennet-neb": ["neb-sevennet", "memory"],
-    "sevennet-properties": ["properties-sevennet"],
-    "torchrun": ["distributed"],
-    "models": ["models"],
+    "sevennet": ["neb-sevennet", "memory", "properties-sevennet"],
+    "models-torchrun": ["models", "distributed"],
 }
 LAUNCHES["others"] = [
     name

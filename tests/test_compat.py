@@ -150,12 +150,14 @@ def _scan() -> tuple[PackageScan, tuple]:
     return scan, tuple(scan.accesses())
 
 
-@pytest.fixture
+# module-scoped: the tests that use the scan then share one pytest-xdist worker
+# (tests/conftest.py), so the package is scanned once, not once per worker
+@pytest.fixture(scope="module")
 def package_scan():
     return _scan()[0]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def accesses():
     """Every use of a private nvalchemi name in the package (one scan)."""
     return _scan()[1]

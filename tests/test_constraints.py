@@ -131,6 +131,7 @@ def test_variable_cell_relaxation_keeps_the_space_group_and_ases_energy(lj_calc6
         assert abs(difference) / len(atoms) < ENERGY_PER_ATOM_TOL
 
 
+@pytest.mark.slow  # ASE's BFGS beside ours: ~11 CPU-s
 def test_fixcartesian_follows_ases_bfgs_and_holds_the_masked_components(lj_calc64):
     start = rattled_bulk(repeat=2, seed=7, stdev=0.1)
     start.set_constraint(FixCartesian([0, 3, 5], mask=(True, False, True)))
@@ -168,6 +169,7 @@ def test_fixcom_velocity_verlet_matches_ase(lj_calc64):
     )
 
 
+@pytest.mark.slow  # ASE's BFGS beside ours: ~6 CPU-s
 def test_fixcom_in_bfgs_weighs_with_the_atoms_masses_as_ases(lj_calc64):
     """The optimizers' unit masses are for their dynamics; FixCom keeps ASE's."""
     start = rattled_bulk(repeat=2, seed=12, stdev=0.1)

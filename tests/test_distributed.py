@@ -3,14 +3,12 @@
 References: the same runner in one process (float64, the LJ model): every
 structure's result must be the one it gets alone, whatever rank ran it.
 Ranks are started by ``torch.distributed.run`` (torchrun) in a subprocess,
-as a user starts them.
+as a user starts them: one launch (``tests/distributed_worker.py``) runs every
+runner, the resumed run and both command lines, and the tests read its files.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ import pytest
 from ase.io import read, write
 
 from nvalchemi_ase import runners
+from nvalchemi_ase.cli.main import main
 from nvalchemi_ase.runners import (
     failed_path,
     finished_indices,
@@ -34,11 +33,9 @@ from nvalchemi_ase.runners.distributed import (
     sharding,
 )
 from nvalchemi_ase.runners.files import Sink, merge_shards
-from tests.distributed_worker import RUNS
+from tests.distributed_worker import CLI, RESUMED, RUNS, cli_arguments
 from tests.helpers import torchrun, write_results
 from tests.structures import mixed
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # float64, same engine per structure; only the order of sums in a batch differs.
 ENERGY_ATOL = 1e-10  # eV
@@ -144,6 +141,10 @@ def test_a_single_process_resume_merges_what_ranks_left(lj_calc64, tmp_path):
 
 # -- two ranks under torchrun ---------------------------------------------------
 
+#: What a killed two-rank relaxation left: each rank's finished indices.
+KEPT = {0: [0, 4, 10], 1: [1, 7]}
+CLI_INPUTS = {"cli-relax": 30, "cli-md": 12}  # structures of mixed(N)
+
 
 @pytest.fixture(scope="module")
 def references(lj_calc64):
@@ -154,12 +155,42 @@ def references(lj_calc64):
     }
 
 
+def _leave_a_killed_run(output: Path, expected) -> None:
+    """Shard files as a killed two-rank relaxation leaves them (one frame cut off)."""
+    output.parent.mkdir(parents=True)
+    for rank, indices in KEPT.items():
+        frames = [expected[i].copy() for i in indices]
+        for frame, index in zip(frames, indices, strict=True):
+            frame.calc = expected[index].calc
+            frame.info["source"] = "kept"
+        write_results(shard_path(output, rank), frames)
+    with shard_path(output, 1).open("a") as handle:
+        handle.write("12\nLattice=")  # a frame cut off by the kill
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory) -> Path:
-    """Every run of :data:`RUNS` by two ranks, in one torchrun launch (~20 s)."""
+def two_rank_runs(tmp_path_factory, references):
+    """Every job of ``tests.distributed_worker`` by two ranks, in one torchrun
+    launch (a launch costs ~30 s of CPU before any work; see the worker).
+
+    Returns the folder and what the launch printed.
+    """
     folder = tmp_path_factory.mktemp("two_ranks")
-    torchrun("-m", "tests.distributed_worker", ",".join(RUNS), str(folder), str(COUNT))
-    return folder
+    _leave_a_killed_run(folder / "relax-resumed" / "out.extxyz", references["relax"])
+    (folder / "cli").mkdir()
+    for job, count in CLI_INPUTS.items():
+        name = CLI[job][1]
+        write(folder / "cli" / name, mixed(count), format="extxyz")
+    jobs = [*RUNS, *RESUMED, *CLI]
+    printed = torchrun("-m", "tests.distributed_worker", ",".join(jobs), str(folder))
+    return folder, printed
+
+
+def _alone(job: str, folder: Path, monkeypatch) -> Path:
+    """The command line of ``job`` in this process, on the launch's inputs."""
+    monkeypatch.chdir(folder / "cli")
+    assert main([*cli_arguments(job, "one"), "--quiet"]) == 0
+    return folder / "cli"
 
 
 @pytest.mark.slow  # two ranks started by torchrun
@@ -167,7 +198,7 @@ def two_rank_runs(tmp_path_factory) -> Path:
 def test_two_ranks_write_and_return_what_one_process_does(
     kind, references, two_rank_runs
 ):
-    output = two_rank_runs / kind / "out.extxyz"
+    output = two_rank_runs[0] / kind / "out.extxyz"
     written = read(output, ":")  # merged by rank 0, in input order
     _assert_same_structures(written, references[kind], kind=kind)
     for rank in (0, 1):  # every rank's list holds every structure
@@ -178,124 +209,46 @@ def test_two_ranks_write_and_return_what_one_process_does(
 
 
 @pytest.mark.slow
-def test_two_ranks_resume_their_shards_of_a_killed_run(references, tmp_path):
+def test_two_ranks_resume_their_shards_of_a_killed_run(references, two_rank_runs):
     """Shard files as a killed two-rank run leaves them; resumed with two ranks."""
     expected = references["relax"]
-    output = tmp_path / "relax" / "out.extxyz"  # where the worker writes
-    output.parent.mkdir()
-    kept = {0: [0, 4, 10], 1: [1, 7]}
-    for rank, indices in kept.items():
-        frames = [expected[i].copy() for i in indices]
-        for frame, index in zip(frames, indices, strict=True):
-            frame.calc = expected[index].calc
-            frame.info["source"] = "kept"
-        write_results(shard_path(output, rank), frames)
-    with shard_path(output, 1).open("a") as handle:
-        handle.write("12\nLattice=")  # a frame cut off by the kill
-    torchrun(
-        "-m", "tests.distributed_worker", "relax", str(tmp_path), str(COUNT), "--resume"
-    )
+    output = two_rank_runs[0] / "relax-resumed" / "out.extxyz"
     merged = read(output, ":")
     _assert_same_structures(merged, expected, kind="relax")
     sources = [i for i, a in enumerate(merged) if a.info.get("source") == "kept"]
-    assert sources == [0, 1, 4, 7, 10]  # not computed again
+    assert sources == sorted(i for kept in KEPT.values() for i in kept)  # not redone
     assert shard_files(output) == []
 
 
 @pytest.mark.slow
-def test_the_cli_under_torchrun_writes_what_it_writes_alone(tmp_path):
-    write(tmp_path / "in.extxyz", mixed(30), format="extxyz")
-    options = ["--model", "lj", "--device", "cpu", "--dtype", "float64"]
-    relax_options = ["--fmax", "0.02", "--trajectories"]
-    alone = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nvalchemi_ase",
-            "relax",
-            "in.extxyz",
-            *options,
-            "-o",
-            "one/relaxed.extxyz",
-            *relax_options,
-            "one/traj",
-            "--quiet",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    assert alone.returncode == 0
-    printed = torchrun(
-        "-m",
-        "nvalchemi_ase",
-        "relax",
-        "in.extxyz",
-        *options,
-        "-o",
-        "two/relaxed.extxyz",
-        *relax_options,
-        "two/traj",
-        cwd=tmp_path,
-    )
+def test_the_cli_under_torchrun_writes_what_it_writes_alone(two_rank_runs, monkeypatch):
+    """``relax`` by two ranks (the launch's ``cli-relax`` job) and alone."""
+    folder, printed = two_rank_runs
+    here = _alone("cli-relax", folder, monkeypatch)
     assert printed.count("30/30 converged") == 1  # rank 0 prints, once
-    one = read(tmp_path / "one/relaxed.extxyz", ":")
-    two = read(tmp_path / "two/relaxed.extxyz", ":")
+    one = read(here / "one/relaxed.extxyz", ":")
+    two = read(here / "two/relaxed.extxyz", ":")
     _assert_same_structures(two, one, kind="cli relax")
     assert [a.info["source"] for a in two] == [a.info["source"] for a in one]
-    names = sorted(p.name for p in (tmp_path / "one/traj").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "two/traj").iterdir())
+    names = sorted(p.name for p in (here / "one/traj").iterdir())
+    assert names == sorted(p.name for p in (here / "two/traj").iterdir())
     for name in names:
-        frames_one = read(tmp_path / "one/traj" / name, ":")
-        frames_two = read(tmp_path / "two/traj" / name, ":")
+        frames_one = read(here / "one/traj" / name, ":")
+        frames_two = read(here / "two/traj" / name, ":")
         assert len(frames_one) == len(frames_two)
         assert np.allclose(
             frames_one[-1].positions, frames_two[-1].positions, atol=POSITION_ATOL
         )
-    leftovers = [p.name for p in (tmp_path / "two").iterdir() if "partial" in p.name]
+    leftovers = [p.name for p in (here / "two").iterdir() if "partial" in p.name]
     assert leftovers == []
 
 
 @pytest.mark.slow
-def test_cli_md_under_torchrun_ends_where_it_ends_alone(tmp_path):
+def test_cli_md_under_torchrun_ends_where_it_ends_alone(two_rank_runs, monkeypatch):
     """NVE from the same seeded velocities: every final state equal; one log a rank."""
-    write(tmp_path / "in.extxyz", mixed(12), format="extxyz")
-    options = ["--model", "lj", "--device", "cpu", "--dtype", "float64"]
-    md_options = ["--ensemble", "nve", "--steps", "20", "--interval", "5"]
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nvalchemi_ase",
-            "md",
-            "in.extxyz",
-            *options,
-            *md_options,
-            "-o",
-            "one",
-            "--quiet",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )
-    torchrun(
-        "-m",
-        "nvalchemi_ase",
-        "md",
-        "in.extxyz",
-        *options,
-        *md_options,
-        "-o",
-        "two",
-        cwd=tmp_path,
-    )
-    one = read(tmp_path / "one/final.extxyz", ":")
-    two = read(tmp_path / "two/final.extxyz", ":")
+    here = _alone("cli-md", two_rank_runs[0], monkeypatch)
+    one = read(here / "one/final.extxyz", ":")
+    two = read(here / "two/final.extxyz", ":")
     assert [a.info["source"] for a in two] == [a.info["source"] for a in one]
     for alone, sharded in zip(one, two, strict=True):
         assert np.allclose(sharded.positions, alone.positions, atol=FILE_ATOL)
@@ -303,6 +256,6 @@ def test_cli_md_under_torchrun_ends_where_it_ends_alone(tmp_path):
         assert sharded.get_potential_energy() == pytest.approx(
             alone.get_potential_energy(), abs=ENERGY_ATOL
         )
-    logs = sorted(p.name for p in (tmp_path / "two").glob("*.log"))
+    logs = sorted(p.name for p in (here / "two").glob("*.log"))
     assert logs == ["md.log", "md.rank1.log"]
-    assert not list((tmp_path / "two").glob("*partial*"))
+    assert not list((here / "two").glob("*partial*"))

@@ -27,13 +27,19 @@ from nvalchemi_ase.md import MTKNPT, NPH, IsotropicMTKNPT
 from tests.structures import A_AR, thermalize
 
 ROOT = Path(__file__).resolve().parents[1]
-PROCESSES = 4  # each reads its own heap; before the fix ~80 % of runs went NaN
+# Each process reads its own heap (before the fix ~80 % of runs went NaN); each
+# runs every class on SEEDS fresh engines (new allocations, new bytes past the
+# end), so 2 processes make 2 x 3 chances a class where 4 processes of one run
+# each made 4, at half the CPU (an interpreter costs ~15 s of CPU, a run ms).
+PROCESSES = 2
 POOL = 2  # the machine's cores
+SEEDS = 3
 STEPS = 5
 DEPRECATED = ("'cells_inv' is deprecated", "'volumes' is deprecated")
 
-# One fresh interpreter: IsotropicMTKNPT and MTKNPT, tchain = pchain = 1, on the
-# same thermalised argon cell; prints a JSON line with the final state.
+# One fresh interpreter: IsotropicMTKNPT and MTKNPT, tchain = pchain = 1, each on
+# SEEDS thermalised argon cells in turn (a new engine each); prints a JSON line
+# with the final states.
 WORKER = r"""
 import json, sys, warnings
 import numpy as np
@@ -43,32 +49,36 @@ from nvalchemi_ase import NVAlchemiCalculator
 from nvalchemi_ase.md import MTKNPT, IsotropicMTKNPT
 from tests.structures import A_AR, thermalize
 
-steps = int(sys.argv[1])
+steps, seeds = int(sys.argv[1]), int(sys.argv[2])
 calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
 out = {}
 for cls in (IsotropicMTKNPT, MTKNPT):
-    atoms = thermalize(bulk("Ar", "fcc", a=A_AR, cubic=True) * (2, 2, 2), 300.0, 0)
-    atoms.calc = calc
-    volume = atoms.get_volume()
-    dyn = cls(atoms, 2 * units.fs, temperature_K=300.0, pressure_au=0.0,
-              tdamp=100 * units.fs, pdamp=1000 * units.fs, tchain=1, pchain=1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        dyn.run(steps)
-    out[cls.__name__] = {
-        "positions": atoms.positions.tobytes().hex(),
-        "cell": atoms.cell.array.tobytes().hex(),
-        "initial_volume": volume,
-        "failures": len(getattr(dyn, "failures", [])),
-        "warnings": sorted({f"{w.category.__name__}: {w.message}" for w in caught}),
-    }
+    for seed in range(seeds):
+        cube = bulk("Ar", "fcc", a=A_AR, cubic=True) * (2, 2, 2)
+        atoms = thermalize(cube, 300.0, seed)
+        atoms.calc = calc
+        volume = atoms.get_volume()
+        dyn = cls(atoms, 2 * units.fs, temperature_K=300.0, pressure_au=0.0,
+                  tdamp=100 * units.fs, pdamp=1000 * units.fs, tchain=1, pchain=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dyn.run(steps)
+        out[f"{cls.__name__}, seed {seed}"] = {
+            "positions": atoms.positions.tobytes().hex(),
+            "cell": atoms.cell.array.tobytes().hex(),
+            "initial_volume": volume,
+            "failures": len(getattr(dyn, "failures", [])),
+            "warnings": sorted(
+                {f"{w.category.__name__}: {w.message}" for w in caught}
+            ),
+        }
 print("RESULT " + json.dumps(out))
 """
 
 
 def _fresh_process_run(_: int) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", WORKER, str(STEPS)],
+        [sys.executable, "-c", WORKER, str(STEPS), str(SEEDS)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -103,11 +113,14 @@ def _npt(cls, images, calc, **kwargs):
     )
 
 
-@pytest.mark.slow  # 4 interpreters, ~11 s of CPU each (imports included)
+@pytest.mark.slow  # 2 interpreters, ~15 s of CPU each (imports included)
 def test_one_link_chains_are_finite_and_identical_in_fresh_processes():
     with ThreadPoolExecutor(max_workers=POOL) as pool:
         results = list(pool.map(_fresh_process_run, range(PROCESSES)))
-    for name in ("IsotropicMTKNPT", "MTKNPT"):
+    classes = ("IsotropicMTKNPT", "MTKNPT")
+    names = [f"{name}, seed {seed}" for name in classes for seed in range(SEEDS)]
+    assert sorted(results[0]) == sorted(names)
+    for name in names:
         runs = [result[name] for result in results]
         for process, run in enumerate(runs):
             positions, cell = _decode(run["positions"]), _decode(run["cell"])

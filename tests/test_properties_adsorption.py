@@ -41,6 +41,7 @@ def _energy(calc, atoms):
     return atoms.get_potential_energy()
 
 
+@pytest.mark.slow  # ~4 CPU-s: among test-fast's costliest
 def test_relaxed_adsorption_energies_match_ase_one_by_one_in_one_run(
     nn_calc, monkeypatch
 ):

@@ -181,6 +181,7 @@ def test_all_displaced_supercells_of_all_volumes_in_one_call(smooth_lj, monkeypa
     assert calls == [2 * N_VOLUMES, sum(int(r.n_displacements.sum()) for r in results)]
 
 
+@pytest.mark.slow  # ~4 CPU-s: among test-fast's costliest
 def test_imaginary_modes_fail_their_material_only(lj_calc64):
     # hard-cutoff LJ: at +2 % of the relaxed fcc cell the fifth neighbour
     # shell sits 0.01 Å inside the 8.5 Å cutoff, which displacements cross

@@ -68,6 +68,7 @@ def test_converged_structures_leave_the_batch(lj_calc64):
         assert item.atoms.calc is None
 
 
+@pytest.mark.slow  # ~4 CPU-s: among test-fast's costliest
 def test_a_small_memory_budget_relaxes_the_same(lj_calc64):
     materials = _structures()[5:]
     atoms = [a for a in materials for _ in range(2)]

@@ -173,7 +173,11 @@ def test_shake_and_rattle_equal_ases_methods_for_a_whole_batch():
 # -- molecular dynamics ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [water_box, co2_box], ids=["water", "co2"])
+@pytest.mark.parametrize(
+    "make",
+    [pytest.param(water_box, marks=pytest.mark.slow), co2_box],  # water: ~13 CPU-s
+    ids=["water", "co2"],
+)
 def test_velocity_verlet_equals_ases_step_for_step(make, soft_lj):
     images = [make((2, 2, 2), seed=1), make((2, 2, 3), seed=2)]
     references = [_ase_copy(a, soft_lj) for a in images]
@@ -198,6 +202,7 @@ def test_velocity_verlet_equals_ases_step_for_step(make, soft_lj):
             assert _bond_errors(atoms).max() < BOND_TOL
 
 
+@pytest.mark.slow  # ~11 CPU-s
 def test_langevin_without_friction_is_ases_velocity_verlet(soft_lj):
     images = [water_box((2, 2, 2), seed=3), water_box((2, 2, 3), seed=4)]
     references = [_ase_copy(a, soft_lj) for a in images]
@@ -269,7 +274,9 @@ def _argon_with_bonds():
 
 
 @pytest.mark.parametrize(
-    ("ours", "theirs"), [(FIRE, AseFIRE), (BFGS, AseBFGS)], ids=["FIRE", "BFGS"]
+    ("ours", "theirs"),
+    [(FIRE, AseFIRE), pytest.param(BFGS, AseBFGS, marks=pytest.mark.slow)],
+    ids=["FIRE", "BFGS"],  # BFGS: ~9 CPU-s
 )
 def test_optimizers_with_fix_bond_length_agree_with_ases(ours, theirs, lj_calc64):
     images = _argon_with_bonds()
@@ -294,7 +301,9 @@ def test_optimizers_with_fix_bond_length_agree_with_ases(ours, theirs, lj_calc64
 
 
 @pytest.mark.parametrize(
-    ("ours", "theirs"), [(FIRE, AseFIRE), (BFGS, AseBFGS)], ids=["FIRE", "BFGS"]
+    ("ours", "theirs"),
+    [(FIRE, AseFIRE), pytest.param(BFGS, AseBFGS, marks=pytest.mark.slow)],
+    ids=["FIRE", "BFGS"],  # BFGS: ~9 CPU-s
 )
 def test_optimizers_project_forces_with_the_atoms_masses_as_ase(
     ours, theirs, lj_calc64
