@@ -516,7 +516,9 @@ class FailureGuard:
             previous = self._snapshot.get("positions")
             if previous is not None and not previous.numel():
                 previous = None
-        summed = [key for key in ("velocities", "cell", "energy") if key in fields]
+        summed: list[str] = [
+            key for key in ("velocities", "cell", "energy") if key in fields
+        ]
         if previous is None and "positions" in fields:
             summed.append("positions")
         values: list[torch.Tensor] = []
