@@ -65,6 +65,7 @@ __all__ = [
     "pipeline_sources",
     "post_update_is_noop",
     "prime_engine",
+    "promises_noop_post_update",
     "seed_neighbor_hook",
     "set_engine_seed",
     "set_neighbor_capacity",
@@ -661,6 +662,11 @@ def post_update_is_noop(cls: _Class) -> _Class:
     """
     setattr(cls, "_post_update_is_noop", True)  # noqa: B010 - the scan reads it
     return cls
+
+
+def promises_noop_post_update(engine: BaseDynamics) -> bool:
+    """Whether ``engine``'s class promises a ``post_update`` that does nothing."""
+    return bool(getattr(type(engine), "_post_update_is_noop", False))
 
 
 def npt_volumes(engine: Any, batch: Batch) -> torch.Tensor:

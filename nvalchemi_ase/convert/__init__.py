@@ -225,6 +225,8 @@ def atoms_to_batch(
     device: torch.device | str | None = None,
     dtype: DtypeLike = None,
     warn_dropped: bool = True,
+    model: Any = None,
+    skin: float = 0.0,
 ) -> Batch:
     """Convert one ``Atoms`` or a list of them into one nvalchemi ``Batch``.
 
@@ -241,6 +243,13 @@ def atoms_to_batch(
         Emit a :class:`NotCarriedWarning` for ``info``/``arrays`` keys and
         constraints that the batch cannot carry (once per key and calling
         line: Python's warnings registry, under the default action).
+    model : BaseModelMixin, optional
+        Also run :func:`check_images`' checks against this model (elements,
+        cell heights against its cutoff plus ``skin``), in the same pass:
+        ``check_images(images, model=model, skin=skin)`` then this function,
+        without validating the structures twice.
+    skin : float
+        Verlet skin, Å, for the cell-height check (with ``model`` only).
 
     Returns
     -------
@@ -256,8 +265,11 @@ def atoms_to_batch(
         closer than :data:`MIN_DISTANCE`, ...; see :func:`check_images`), before
         any tensor is built.
     """
+    skin = _check_skin(skin)
     atoms_list = as_atoms_list(images)
     stacked = _stack(atoms_list)
+    if model is not None:
+        _check_model_fit(stacked, model, skin)
     if warn_dropped:
         _warn_not_carried(atoms_list)
     return _build_batch(stacked, resolve_device(device), resolve_dtype(dtype))

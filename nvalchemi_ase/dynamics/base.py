@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from ase import Atoms
 from ase.optimize.optimize import BaseDynamics as AseBaseDynamics
 
 from nvalchemi_ase import devices
+from nvalchemi_ase._compat import promises_noop_post_update
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import (
     FROZEN_CATEGORY,
@@ -56,6 +58,7 @@ from nvalchemi_ase.dynamics.failures import (
     resolve_on_failure,
     warn_failures,
 )
+from nvalchemi_ase.dynamics.hooks import StageHook
 from nvalchemi_ase.dynamics.images import (
     CellFilterSpec,
     check_constraints,
@@ -72,7 +75,7 @@ from nvalchemi_ase.dynamics.observers import (
     is_nvalchemi_hook,
 )
 from nvalchemi_ase.dynamics.progress import ProgressBar, progress_enabled
-from nvalchemi_ase.dynamics.raw_results import RawResults
+from nvalchemi_ase.dynamics.raw_results import RawResults, SaveHook
 from nvalchemi_ase.dynamics.run import BatchRun, atom_rows
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.models.locks import model_lock
@@ -214,15 +217,12 @@ class BatchedDynamics(AseBaseDynamics):
         check_constraints(atoms_list)
         self.images: list[Atoms] = atoms_list
         self.cell_filter: CellFilterSpec | None = cell_filter
+        skin = self.default_skin() if neighbor_skin is None else float(neighbor_skin)
+        # the structures are checked against the model as the batch is built
         self.setup = resolve_model_setup(
-            atoms_list,
-            model,
-            device,
-            dtype,
-            neighbor_skin=(
-                self.default_skin() if neighbor_skin is None else float(neighbor_skin)
-            ),
+            atoms_list, model, device, dtype, neighbor_skin=skin, check=False
         )
+        self.neighbor_skin = skin
         self._check_inputs()
         super().__init__(
             atoms=images if single else atoms_list,  # type: ignore[arg-type]
@@ -248,14 +248,15 @@ class BatchedDynamics(AseBaseDynamics):
         self._frame_steps = np.full(len(atoms_list), -1)
         self._positions_at_write = self.batch.positions.detach().clone()
         self._cell_at_write = self.batch.cell.detach().clone()
-        skin = self.default_skin() if neighbor_skin is None else float(neighbor_skin)
-        self.neighbor_skin = skin
         self.batch_run.attach_engine(
             self.build_engine(self._builtin_hooks(skin)),
             neighbor_hooks=lambda: neighbor_hooks(self.model, self.neighbor_skin),
         )
         # engines that read stress (barostats, cell filters) move cells
         self._guard.variable_cell = "stress" in self.engine_outputs()
+        self._changes_key: tuple[Any, ...] = ()
+        self._changes: tuple[str, ...] | None = None
+        self._guard.changes_after_compute = self._changes_after_compute
         self._stage_hooks: dict[Any, StageObserverHook] = {}
         self._pending_checkpoint: Checkpoint | None = None
         self._synced_nsteps: int | None = None
@@ -347,6 +348,14 @@ class BatchedDynamics(AseBaseDynamics):
     def _engine_freezes_atoms(self) -> bool:
         """Whether the engine keeps frozen atoms itself (no ``FreezeAtomsHook``)."""
         return False
+
+    def _post_update_writes(self) -> tuple[str, ...] | None:
+        """Batch fields the engine's ``post_update`` writes (None: unknown, any).
+
+        Nothing for engines that promise a no-op ``post_update`` (this
+        package's optimizers); a class that knows its engine says more.
+        """
+        return () if promises_noop_post_update(self.engine) else None
 
     def _after_priming(self) -> None:
         """Adjust the engine's fresh state before the first step (subclasses)."""
@@ -993,6 +1002,46 @@ class BatchedDynamics(AseBaseDynamics):
             if getattr(function, "needs_atoms", True)
         )
 
+    def _changes_after_compute(self) -> tuple[str, ...] | None:
+        """Fields that may change between the guard's two checks of a step.
+
+        The guard checks the batch at ``AFTER_COMPUTE`` and again at
+        ``AFTER_STEP``; in between run the engine's ``post_update``
+        (:meth:`_post_update_writes`) and the hooks of the stages from
+        ``AFTER_COMPUTE`` to ``AFTER_STEP``. When every such hook is one of
+        this package's that leave the batch alone (the guard's own, the raw
+        results' copy, observers that write the ``Atoms``) and the others
+        run before the first check, only ``post_update``'s fields may change;
+        any other hook (constraints, a user's nvalchemi hook, nvalchemi's
+        ``FreezeAtomsHook``) may change anything (None). Asked every step
+        (hooks attached mid-run count), answered again when the engine or its
+        hooks changed.
+        """
+        key = (self.engine, *self.engine.hooks)
+        known = self._changes_key
+        if len(key) != len(known) or any(
+            new is not old for new, old in zip(key, known, strict=True)
+        ):
+            self._changes_key = key
+            self._changes = self._find_changes_after_compute()
+        return self._changes
+
+    def _find_changes_after_compute(self) -> tuple[str, ...] | None:
+        fields = self._post_update_writes()
+        if fields is None:
+            return None
+        late = _late_stages()
+        own = self._guard.owns
+        for hook in self.engine.hooks:
+            if own(hook) or is_neighbor_hook(hook):
+                continue  # the guard; neighbour lists (BEFORE_COMPUTE)
+            if isinstance(hook, SaveHook | StageObserverHook):
+                continue  # copies the raw outputs; writes the Atoms only
+            if isinstance(hook, StageHook) and hook.stage not in late:
+                continue  # acts before the first check
+            return None
+        return fields
+
     def _sync_if(self, needed: bool) -> None:
         if needed and self._synced_nsteps != self.nsteps:
             self.sync_atoms()
@@ -1036,6 +1085,8 @@ class BatchedDynamics(AseBaseDynamics):
             device=self.setup.device,
             dtype=self.setup.dtype,
             warn_dropped=False,
+            model=self.model,
+            skin=self.neighbor_skin,
         )
         if not self.velocities_are_momenta:
             batch.velocities.zero_()
@@ -1360,6 +1411,20 @@ class BatchedDynamics(AseBaseDynamics):
     def _writing_mask(self) -> npt.NDArray[np.bool_]:
         """Structures whose frames are written at this step (all, for MD)."""
         return np.ones(len(self.images), dtype=bool)
+
+
+@functools.cache
+def _late_stages() -> frozenset[Any]:
+    """Return the stages from ``AFTER_COMPUTE`` to ``AFTER_STEP``, in order."""
+    stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
+    return frozenset(
+        {
+            stages.AFTER_COMPUTE,
+            stages.BEFORE_POST_UPDATE,
+            stages.AFTER_POST_UPDATE,
+            stages.AFTER_STEP,
+        }
+    )
 
 
 def _snapshot(atoms: Atoms) -> tuple[npt.NDArray[Any], ...]:

@@ -80,6 +80,9 @@ CONSTRAINTS_DID_NOT_CONVERGE = 9
 _ATOM_FIELDS = ("positions", "velocities", "forces")
 _SYSTEM_FIELDS = ("cell", "energy", "stress")
 
+# Fields the quick test reads (a cell's volume with the cell).
+_CHECKED_FIELDS = ("positions", "velocities", "forces", "cell", "energy")
+
 # A largest component below limit * _COMPONENT_BOUND keeps the norm below the
 # limit, with room for the round-off of the exact test's sum of squares.
 _COMPONENT_BOUND = (1.0 - 1e-6) / math.sqrt(3.0)
@@ -257,16 +260,31 @@ class FailureGuard:
         self._snapshot: dict[str, torch.Tensor] = {}
         self._has_snapshot = False
         self._known = np.zeros(count, dtype=bool)
+        self._own_hooks: list[StageHook] = []
+        #: What may change the batch between the ``AFTER_COMPUTE`` check and
+        #: ``AFTER_STEP`` (set by the dynamics object that knows its engine and
+        #: hooks): None, anything (the whole check again); else the fields
+        #: that may change (empty: nothing, so the check would repeat itself
+        #: and is skipped; else the quick test covers those fields only).
+        self.changes_after_compute: Callable[[], tuple[str, ...] | None] = (
+            _anything_may_change
+        )
 
     # -- hooks ------------------------------------------------------------------
 
     def hooks(self, stages: Any) -> list[StageHook]:
         """Return the three hooks for ``DynamicsStage`` ``stages`` (register first)."""
-        return [
+        hooks = [
             StageHook(stages.BEFORE_STEP, self.take_snapshot),
             StageHook(stages.AFTER_COMPUTE, self.check),
-            StageHook(stages.AFTER_STEP, self.check),
+            StageHook(stages.AFTER_STEP, self.check_after_step),
         ]
+        self._own_hooks += hooks
+        return hooks
+
+    def owns(self, hook: object) -> bool:
+        """Whether ``hook`` is one of this guard's (:meth:`hooks`)."""
+        return any(hook is own for own in self._own_hooks)
 
     def take_snapshot(self, batch: Batch) -> None:
         """Remember the state every structure has before the step."""
@@ -289,6 +307,30 @@ class FailureGuard:
                 self._record(self._reason_codes(batch))
             if self._any_failed or not self._host_branching:
                 self._restore(batch)
+
+    def check_after_step(self, batch: Batch) -> None:
+        """:meth:`check` at ``AFTER_STEP``, over what changed since ``AFTER_COMPUTE``.
+
+        The ``AFTER_COMPUTE`` check has seen every field as the step left it,
+        except what the engine's ``post_update`` and the hooks after that
+        check may change (:attr:`changes_after_compute`): nothing (an
+        optimizer's step is done before the evaluation), and the check is
+        skipped; some fields (velocity Verlet's second half kick changes
+        velocities only), and the quick whole-batch test reads those alone
+        (the exact test, when it fails, reads everything as before); or
+        anything, and the check runs in full.
+        """
+        changed = self.changes_after_compute()
+        if changed is None:
+            self.check(batch)
+        elif changed:
+            with torch.no_grad():
+                if not (
+                    self._host_branching and self._all_within_limits(batch, changed)
+                ):
+                    self._record(self._reason_codes(batch))
+                if self._any_failed or not self._host_branching:
+                    self._restore(batch)
 
     def flag(self, bad: torch.Tensor, code: int) -> None:
         """Flag structures ``bad`` [B] bool as failed for reason ``code``.
@@ -446,28 +488,38 @@ class FailureGuard:
 
     # -- internals ---------------------------------------------------------------
 
-    def _all_within_limits(self, batch: Batch) -> bool:
+    def _all_within_limits(
+        self, batch: Batch, fields: tuple[str, ...] = _CHECKED_FIELDS
+    ) -> bool:
         """Whole-batch test that nothing is off (host branch; CPU only).
 
-        A cheap sufficient test first (:meth:`_clearly_within_limits`); only
-        when it fails does the exact whole-batch test decide, so the answer is
-        always the exact test's.
+        A cheap sufficient test first (:meth:`_clearly_within_limits`, over
+        ``fields``, the others known to be within limits); only when it
+        fails does the exact whole-batch test decide, so the answer is always
+        the exact test's.
         """
-        return self._clearly_within_limits(batch) or self._within_limits(batch)
+        return self._clearly_within_limits(batch, fields) or self._within_limits(batch)
 
-    def _clearly_within_limits(self, batch: Batch) -> bool:
+    def _clearly_within_limits(
+        self, batch: Batch, fields: tuple[str, ...] = _CHECKED_FIELDS
+    ) -> bool:
         """One reduction per field and one read back; True implies the exact test's.
 
         A sum is finite only if every element is (an overflow only sends the
         batch to the exact test), so is a step from the snapshot only if the
         positions are, and the largest force and step component bound the
-        norms: ``|v| <= sqrt(3) max|v_i|``.
+        norms: ``|v| <= sqrt(3) max|v_i|``. Only ``fields`` are read (the
+        others unchanged since they passed).
         """
-        previous = self._snapshot.get("positions") if self._has_snapshot else None
-        if previous is not None and not previous.numel():
-            previous = None
-        summed = ["velocities", "cell", "energy"]
-        if previous is None:
+        previous = None  # a moved cell moves the step measured (see _carried)
+        if ("positions" in fields or "cell" in fields) and self._has_snapshot:
+            previous = self._snapshot.get("positions")
+            if previous is not None and not previous.numel():
+                previous = None
+        summed: list[str] = [
+            key for key in ("velocities", "cell", "energy") if key in fields
+        ]
+        if previous is None and "positions" in fields:
             summed.append("positions")
         values: list[torch.Tensor] = []
         ranges: list[tuple[float, float]] = []  # closed; NaN is in none
@@ -476,7 +528,7 @@ class FailureGuard:
             if value is not None:
                 values.append(value.sum())
                 ranges.append(_FINITE)
-        forces = batch_field(batch, "forces")
+        forces = batch_field(batch, "forces") if "forces" in fields else None
         if forces is not None and forces.numel():
             bound = self.limits.max_force * _COMPONENT_BOUND
             values += torch.aminmax(forces)
@@ -485,7 +537,7 @@ class FailureGuard:
             bound = self.limits.max_displacement * _COMPONENT_BOUND
             values += torch.aminmax(batch.positions - self._carried(batch, previous))
             ranges += [(-bound, bound)] * 2
-        if self.variable_cell:
+        if self.variable_cell and "cell" in fields:
             ratio = _volumes(batch) / self._volume0
             factor = self.limits.max_volume_factor
             values += torch.aminmax(ratio)
@@ -669,6 +721,11 @@ def _without(ctx: Any, failed: torch.Tensor | None) -> Any:
     active = getattr(ctx, "active_graph_mask", None)
     live = ~failed if active is None else active & ~failed
     return dataclasses.replace(ctx, active_graph_mask=live)
+
+
+def _anything_may_change() -> None:
+    """Default of :attr:`FailureGuard.changes_after_compute`: the full check."""
+    return None
 
 
 def _any_per_graph(

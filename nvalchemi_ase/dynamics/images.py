@@ -219,6 +219,7 @@ def resolve_model_setup(
     dtype: DtypeLike,
     *,
     neighbor_skin: float = 0.0,
+    check: bool = True,
 ) -> ModelSetup:
     """Find the model, device and dtype a run uses.
 
@@ -241,6 +242,10 @@ def resolve_model_setup(
     neighbor_skin : float
         Verlet skin of the run's neighbour list, Å; the cell heights are checked
         against the model's cutoff plus this.
+    check : bool
+        Check the structures here (:func:`~nvalchemi_ase.convert.check_images`);
+        False for a caller that converts them with the same checks at once
+        (``atoms_to_batch(..., model=, skin=)``) before anything else is built.
 
     Returns
     -------
@@ -282,7 +287,8 @@ def resolve_model_setup(
                 "object than the run's; share one model (or one calculator) between "
                 "all structures"
             )
-    check_images(atoms_list, model=resolved, skin=neighbor_skin)
+    if check:
+        check_images(atoms_list, model=resolved, skin=neighbor_skin)
     reference = ours[0] if ours else None
     run_device = (
         resolve_device(device)

@@ -23,7 +23,7 @@ from nvalchemi_ase.convert import batch_field
 if TYPE_CHECKING:
     from nvalchemi.data import Batch
 
-__all__ = ["RawResults"]
+__all__ = ["RawResults", "SaveHook"]
 
 
 class RawResults:
@@ -60,9 +60,9 @@ class RawResults:
         self._keys = (("forces",) if forces else ()) + (("stress",) if stress else ())
         self._saved = {}
 
-    def hook(self, stages: Any) -> _SaveHook:
+    def hook(self, stages: Any) -> SaveHook:
         """Return the ``AFTER_COMPUTE`` hook taking the copies (``DynamicsStage``)."""
-        return _SaveHook(stages.AFTER_COMPUTE, self)
+        return SaveHook(stages.AFTER_COMPUTE, self)
 
     def save(self, batch: Batch, active: torch.Tensor | None = None) -> None:
         """Copy the model's fresh outputs (no-op without force-changing constraints).
@@ -142,7 +142,7 @@ class RawResults:
         return reported
 
 
-class _SaveHook:
+class SaveHook:
     """An nvalchemi hook: :meth:`RawResults.save` with the dispatch's active graphs."""
 
     frequency = 1

@@ -32,6 +32,7 @@ __all__ = [
     "active_graphs",
     "check_parameter",
     "finite_positive",
+    "fire_state",
     "free_atoms",
     "keep_inactive",
     "make_state",
@@ -212,6 +213,54 @@ def make_state(data: dict[str, torch.Tensor], device: torch.device) -> Batch:
         What ``BaseDynamics`` expects in ``self._state``.
     """
     return make_state_batch(data, device)
+
+
+def fire_state(
+    count: int,
+    template: Batch,
+    *,
+    dt: float,
+    a: float,
+    cell_rows: bool,
+    last_energy: bool = False,
+) -> Batch:
+    """Fresh per-structure state of the FIRE engines (ASE's FIRE and ABC-FIRE2).
+
+    Parameters
+    ----------
+    count : int
+        Number of structures B.
+    template : Batch
+        Supplies device and float dtype (``positions``).
+    dt, a : float
+        Initial time step (internal = ASE time units) and mixing parameter.
+    cell_rows : bool
+        Add ``cell_velocities`` [B, 3, 3] (zero), the cell rows of a filter.
+    last_energy : bool
+        Add ``last_energy`` [B] eV (zero), for ``downhill_check``.
+
+    Returns
+    -------
+    nvalchemi.data.Batch
+        ``dt``, ``a`` [B] float, ``count`` [B] long (ASE's ``Nsteps``, zero),
+        ``started`` [B] bool (False), and the optional fields.
+    """
+    device, dtype = template.device, template.positions.dtype
+
+    def full(value: float) -> torch.Tensor:
+        return torch.full((count,), value, dtype=dtype, device=device)
+
+    fields = {
+        "dt": full(dt),
+        "a": full(a),
+        "count": torch.zeros(count, dtype=torch.long, device=device),
+        "started": torch.zeros(count, dtype=torch.bool, device=device),
+    }
+    if last_energy:
+        fields["last_energy"] = full(0.0)
+    if cell_rows:
+        fields["cell_velocities"] = torch.zeros(count, 3, 3, dtype=dtype, device=device)
+    return make_state(fields, device)
 
 
 def free_atoms(batch: Batch) -> torch.Tensor:

@@ -43,8 +43,8 @@ from nvalchemi_ase.engines._common import (
     PerGraphEngine,
     active_graphs,
     finite_positive,
+    fire_state,
     keep_inactive,
-    make_state,
 )
 from nvalchemi_ase.engines._rows import Rows
 from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
@@ -140,24 +140,14 @@ class ASEFIRE(PerGraphEngine):
         return self._new_state(n, template_batch)
 
     def _new_state(self, count: int, template: Batch) -> Batch:
-        device, dtype = template.device, template.positions.dtype
-
-        def full(value: float) -> torch.Tensor:
-            return torch.full((count,), value, dtype=dtype, device=device)
-
-        fields = {
-            "dt": full(self.dt),
-            "a": full(self.a),
-            "count": torch.zeros(count, dtype=torch.long, device=device),
-            "started": torch.zeros(count, dtype=torch.bool, device=device),
-        }
-        if self.downhill_check:
-            fields["last_energy"] = full(0.0)
-        if self.cell_filter is not None:
-            fields["cell_velocities"] = torch.zeros(
-                count, 3, 3, dtype=dtype, device=device
-            )
-        return make_state(fields, device)
+        return fire_state(
+            count,
+            template,
+            dt=self.dt,
+            a=self.a,
+            cell_rows=self.cell_filter is not None,
+            last_energy=self.downhill_check,
+        )
 
     # -- the step ---------------------------------------------------------------
 

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from nvalchemi.data import Batch
-from nvalchemi.dynamics.base import BaseDynamics
 
 from nvalchemi_ase._compat import evaluate_again, post_update_is_noop
 from nvalchemi_ase.engines._common import (
+    PerGraphEngine,
     active_graphs,
     finite_positive,
+    fire_state,
     keep_inactive,
-    make_state,
-    refuse_by_group,
 )
 from nvalchemi_ase.engines._rows import Rows
 from nvalchemi_ase.engines.cell_filter import CellFilterCoordinates
@@ -54,7 +53,7 @@ _SMALLEST_MIXING = 1e-10
 
 
 @post_update_is_noop
-class ABCFIRE2(BaseDynamics):
+class ABCFIRE2(PerGraphEngine):
     """Batched ABC-FIRE with ASE's arithmetic (``ase.optimize.FIRE2(use_abc=True)``).
 
     Parameters
@@ -73,10 +72,9 @@ class ABCFIRE2(BaseDynamics):
         Initial mixing parameter and its decay factor.
     cell_filter : CellFilterCoordinates, optional
         Relax in the coordinates of ASE's cell filters (cell included).
-    n_steps, hooks, convergence_hook
-        As ``BaseDynamics``.
-    **kwargs
-        Forwarded to ``BaseDynamics`` (``by_group=True`` is refused).
+    n_steps, hooks, convergence_hook, **kwargs
+        See :class:`~nvalchemi_ase.engines._common.PerGraphEngine`
+        (``by_group=True`` is refused).
     """
 
     __needs_keys__: set[str] = {"forces"}  # noqa: RUF012 - BaseDynamics types it set[str]
@@ -101,12 +99,11 @@ class ABCFIRE2(BaseDynamics):
         convergence_hook: ConvergenceHook | dict | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_by_group(type(self).__name__, kwargs)
         super().__init__(
-            model=model,
+            model,
+            n_steps=n_steps,
             hooks=hooks,
             convergence_hook=convergence_hook,
-            n_steps=n_steps,
             **kwargs,
         )
         self.dt = finite_positive("dt", dt)
@@ -128,22 +125,13 @@ class ABCFIRE2(BaseDynamics):
         return self._new_state(n, template_batch)
 
     def _new_state(self, count: int, template: Batch) -> Batch:
-        device, dtype = template.device, template.positions.dtype
-
-        def full(value: float) -> torch.Tensor:
-            return torch.full((count,), value, dtype=dtype, device=device)
-
-        fields = {
-            "dt": full(self.dt),
-            "a": full(self.astart),
-            "count": torch.zeros(count, dtype=torch.long, device=device),
-            "started": torch.zeros(count, dtype=torch.bool, device=device),
-        }
-        if self.cell_filter is not None:
-            fields["cell_velocities"] = torch.zeros(
-                count, 3, 3, dtype=dtype, device=device
-            )
-        return make_state(fields, device)
+        return fire_state(
+            count,
+            template,
+            dt=self.dt,
+            a=self.astart,
+            cell_rows=self.cell_filter is not None,
+        )
 
     def pre_update(self, batch: Batch) -> None:
         """One ABC-FIRE step of every structure (see the module docstring).

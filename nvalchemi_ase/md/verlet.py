@@ -45,3 +45,10 @@ class VelocityVerlet(BatchedMolecularDynamics):
         """Build the nvalchemi engine (engine protocol, see ``BatchedDynamics``)."""
         dynamics = import_quietly("nvalchemi.dynamics")
         return dynamics.NVE(self.model, dt=ase_time_to_fs(self.dt), hooks=hooks)
+
+    def _post_update_writes(self) -> tuple[str, ...] | None:
+        """Velocities: nvalchemi's ``NVE.post_update`` is the second half kick."""
+        nve = import_quietly("nvalchemi.dynamics").NVE
+        if type(self.engine) is nve:
+            return ("velocities",)
+        return super()._post_update_writes()

@@ -104,10 +104,6 @@ class BatchedOptimizer(BatchedDynamics):
         )
         count = len(self.images)
         # No ``status`` column until a structure is done (see _publish_status).
-        self._atom_graph = self.batch.batch_idx.long()
-        self._largest_force = torch.zeros(
-            count, dtype=self.batch.positions.dtype, device=self.setup.device
-        )
         self._converged_host = np.zeros(count, dtype=bool)
         self._moving = np.ones(count, dtype=bool)
         self._fmax_host = np.full(count, np.inf)
@@ -241,10 +237,6 @@ class BatchedOptimizer(BatchedDynamics):
             return result
 
         batch = self.batch
-        self._atom_graph = batch.batch_idx.long()
-        self._largest_force = torch.zeros(
-            count, dtype=batch.positions.dtype, device=batch.device
-        )
         self._converged_host = grown(self._converged_host, False)
         self._moving = grown(self._moving, True)
         self._fmax_host = grown(self._fmax_host, np.inf)
@@ -603,10 +595,15 @@ class BatchedOptimizer(BatchedDynamics):
         """
         fmax = self._fmax_per_structure()
         energy = self.batch.energy.detach().reshape(-1)
-        # one transfer; stack promotes bool and float32 exactly
-        host = torch.stack([fmax, energy, self._guard.failed]).cpu().numpy()
-        self._fmax_host, self._energy_host, failed = host.astype(np.float64)
-        failed_host = failed > 0.5
+        failed = self._guard.failed
+        if self._reads_are_free:  # the tensors' own memory: no stacking
+            self._fmax_host = fmax.numpy().astype(np.float64)
+            self._energy_host = energy.numpy().astype(np.float64)
+            failed_host = failed.numpy().copy()
+        else:  # one transfer; stack promotes bool and float32 exactly
+            host = torch.stack([fmax, energy, failed]).cpu().numpy()
+            self._fmax_host, self._energy_host, flags = host.astype(np.float64)
+            failed_host = flags > 0.5
         below = self._fmax_host < _rounded(self._threshold(), fmax.dtype)
         self._converged_host |= below & ~failed_host
         done_host = self._converged_host | failed_host
@@ -652,17 +649,13 @@ class BatchedOptimizer(BatchedDynamics):
         return self.fmax
 
     def _fmax_per_structure(self) -> torch.Tensor:
-        """Largest force norm per structure, (B,), eV/Å (reused by the next call)."""
+        """Largest force norm per structure, (B,), eV/Å (NaN propagates)."""
         if self._cell_coordinates is not None:
             return self._filter_fmax(self._cell_coordinates)
-        norms = torch.linalg.vector_norm(self.batch.forces.detach(), dim=1)
-        fmax = self._largest_force
-        if fmax.dtype != norms.dtype:
-            fmax = self._largest_force = fmax.to(norms.dtype)
-        # rows of structures with atoms are overwritten (NaN propagates)
-        fmax.scatter_reduce_(
-            0, self._atom_graph, norms, reduce="amax", include_self=False
-        )
+        batch = self.batch
+        norms = torch.linalg.vector_norm(batch.forces.detach(), dim=1)
+        # every structure has atoms: one segment of rows each
+        fmax = torch.segment_reduce(norms, "max", offsets=batch.batch_ptr)
         if self.cell_filter is not None:
             fmax = torch.maximum(fmax, self._cell_fmax())
         return fmax
