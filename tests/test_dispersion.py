@@ -1,5 +1,6 @@
 """D3 by name, offline, against s-dftd3 (the ``dftd3`` package, test-only)."""
 
+import copy
 import socket
 import tomllib
 from importlib.util import find_spec
@@ -327,3 +328,35 @@ def test_d3_loads_and_evaluates_without_network(monkeypatch, tmp_path):
     atoms.calc = NVAlchemiCalculator("d3", device="cpu")
     assert atoms.get_potential_energy() < 0
     assert list((tmp_path / "d3").glob("dftd3-*.pt"))
+
+
+def test_kernel_tables_stay_float32_in_a_float64_model_with_the_same_numbers():
+    """The [95, 95, 5, 5] tables are not converted at every call (#28 item 2).
+
+    Reference: the same model with float64 tables (as before), which the
+    kernel converts to float32 itself: results must be identical.
+    """
+    import torch
+
+    model = load_model("d3", functional="pbe", cutoff=CUTOFF, smoothing_fraction=0)
+    calc = NVAlchemiCalculator(model, device="cpu", dtype="float64")
+    assert calc.model is model  # dtype check passed: the model is not copied
+    assert calc.dtype == torch.float64  # the model's own dtype is still float64
+    assert model.c6ab.dtype == model.cn_ref.dtype == torch.float32
+    assert "c6ab" not in dict(model.named_buffers())
+    moved = copy.deepcopy(model).to(dtype=torch.float32).to(dtype=torch.float64)
+    assert moved.c6ab.dtype == torch.float32
+    assert torch.equal(moved.c6ab, model.c6ab)
+    structures = _structures()
+    ours = calc.calculate_batch(structures, ["energy", "forces", "stress"])
+    before = copy.deepcopy(model)
+    for name in ("c6ab", "cn_ref"):  # the old layout: float64 tables
+        setattr(before, name, getattr(before, name).to(torch.float64))
+    old = NVAlchemiCalculator(before, device="cpu", dtype="float64")
+    assert old.model.c6ab.dtype == torch.float64
+    expected = old.calculate_batch(structures, ["energy", "forces", "stress"])
+    for mine, ref in zip(ours, expected, strict=True):
+        assert mine["energy"] == ref["energy"]
+        np.testing.assert_array_equal(mine["forces"], ref["forces"])
+        if "stress" in ref:
+            np.testing.assert_array_equal(mine["stress"], ref["stress"])

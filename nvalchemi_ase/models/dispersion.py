@@ -91,6 +91,8 @@ _PARAMETER_NAMES = {
 #: Largest atomic number in nvalchemi's D3 table layout, and references per element.
 _MAX_Z = 94
 _REFERENCES = 5
+#: nvalchemi's D3 tables the kernel reads as float32 whatever the model's dtype.
+_KERNEL_TABLES = ("c6ab", "cn_ref")
 #: Version of the file layout written by :func:`d3_parameter_file`.
 _FILE_FORMAT = 1
 
@@ -238,7 +240,8 @@ def d3(
         auto_download=False,
         param_file=d3_parameter_file(),
     )
-    model.to(torch.float64)  # nvalchemi stores float32 copies of float64 tables
+    model.to(torch.float64)  # float64 model: the calculator's default dtype
+    model.keep_kernel_tables_float32()
     model.supported_elements = D3_ELEMENTS
     from nvalchemi_ase.models.memory import dense_matrix_estimate
 
@@ -315,7 +318,36 @@ def _d3_class() -> type:
     base: Any = import_quietly("nvalchemi.models.dftd3").DFTD3ModelWrapper
 
     class DFTD3(base):  # type: ignore[misc,valid-type]
-        """nvalchemi's D3(BJ) wrapper; stress is zero for an unperiodic batch."""
+        """nvalchemi's D3(BJ) wrapper; stress is zero for an unperiodic batch.
+
+        The two [95, 95, 5, 5] reference tables stay float32 whatever the
+        model's dtype (:meth:`keep_kernel_tables_float32`): nvalchemiops' kernel
+        reads them as float32 and would otherwise convert both at every call
+        (about a third of a 506-atom evaluation's CPU time on a CPU, section 16
+        of docs/performance.md); the values are the same either way (nvalchemi
+        stores float32 tables).
+        """
+
+        def keep_kernel_tables_float32(self) -> None:
+            """Hold ``c6ab`` and ``cn_ref`` as float32 attributes, not buffers.
+
+            Out of the buffers they keep float32 through ``.to(dtype)``, and
+            the calculator's dtype check (every floating buffer in the
+            calculator's dtype) still sees the model in its own dtype.
+            """
+            for name in _KERNEL_TABLES:
+                table = getattr(self, name).to(torch.float32)
+                delattr(self, name)  # the buffer
+                setattr(self, name, table)
+
+        def _apply(self, fn: Any, recurse: bool = True) -> Any:
+            """Move the kernel tables with the module (device), kept float32."""
+            module = super()._apply(fn, recurse)
+            for name in _KERNEL_TABLES:
+                table = self.__dict__.get(name)
+                if isinstance(table, torch.Tensor):
+                    setattr(self, name, fn(table).to(torch.float32))
+            return module
 
         def forward(self, data: Any, **kwargs: Any) -> Any:
             active = self.model_config.active_outputs
