@@ -46,6 +46,26 @@ os.environ.setdefault(
 )
 
 
+@pytest.hookimpl(trylast=True)  # after xdist has read the groups
+def pytest_collection_finish(session):
+    """Refuse to run when ``--dist loadgroup`` silently ignores the groups.
+
+    pytest-xdist marks a grouped test by appending ``@group`` to its node id;
+    a pytest on which that no longer takes (9.2, pytest-xdist#1386) would
+    build every shared module fixture once per worker: slower, and not what
+    the fixtures promise. Fails the run with the fix instead.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            raise pytest.UsageError(
+                f"pytest {pytest.__version__} ignores pytest-xdist's groups "
+                f"({item.nodeid} has no @group); install the test extras "
+                "(pytest<9.2) or run with TEST_WORKERS=0"
+            )
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     _keep_module_fixtures_on_one_worker(items)
