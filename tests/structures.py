@@ -16,6 +16,18 @@ def rattled_bulk(repeat: int = 3, seed: int = 1, stdev: float = 0.05) -> Atoms:
     return atoms
 
 
+def moving_argon_cells(count: int) -> list[Atoms]:
+    """``count`` rattled argon cells of 4 and 8 atoms, momenta ~0.5 amu Å/fs."""
+    images = []
+    for index in range(count):
+        atoms = bulk("Ar", "fcc", a=A_AR, cubic=True) * (1 + index % 2, 1, 1)
+        atoms.rattle(0.05, seed=index)
+        rng = np.random.default_rng(index)
+        atoms.set_momenta(rng.normal(0.0, 0.5, (len(atoms), 3)))
+        images.append(atoms)
+    return images
+
+
 def triclinic() -> Atoms:
     cell = np.array([[5.4, 0.0, 0.0], [1.3, 5.6, 0.0], [0.9, 1.2, 5.9]])
     rng = np.random.default_rng(7)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms, units
-from ase.build import bulk
 from ase.constraints import FixAtoms
 from ase.io import read
 
@@ -24,21 +23,10 @@ from nvalchemi_ase.dynamics.failures import (
 )
 from nvalchemi_ase.md import VelocityVerlet
 from nvalchemi_ase.optimize import FIRE
+from tests.structures import moving_argon_cells
 
 # Batched vs one-by-one evaluation of the same float64 model: round-off only.
 SAME_PATH_ATOL = 1e-12
-
-
-def _argon(count: int) -> list[Atoms]:
-    """``count`` rattled argon cells of 4 and 8 atoms, with small momenta."""
-    images = []
-    for index in range(count):
-        atoms = bulk("Ar", "fcc", a=5.26, cubic=True) * (1 + index % 2, 1, 1)
-        atoms.rattle(0.05, seed=index)
-        rng = np.random.default_rng(index)
-        atoms.set_momenta(rng.normal(0.0, 0.5, (len(atoms), 3)))
-        images.append(atoms)
-    return images
 
 
 def _colliding_dimer() -> Atoms:
@@ -102,7 +90,7 @@ def guard_path(request, monkeypatch):
 def test_exploding_structure_stops_and_the_others_end_as_without_it(
     tmp_path, guard_path
 ):
-    good = _argon(7)
+    good = moving_argon_cells(7)
     bad = _colliding_dimer()
     images = (
         [atoms.copy() for atoms in good[:3]]
@@ -147,7 +135,7 @@ def test_nan_forces_in_one_structure_cost_only_that_structure():
     from nvalchemi.dynamics.hooks import NaNDetectorHook
 
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-    images = _argon(8)
+    images = moving_argon_cells(8)
     undo = _poisoned(calc.model, graph=5, at_call=12)
     try:
         for atoms in images:
@@ -160,7 +148,9 @@ def test_nan_forces_in_one_structure_cost_only_that_structure():
         undo()
     assert [(f.index, f.step) for f in dyn.failures] == [(5, 11)]
     assert "forces became non-finite" in dyn.failures[0].reason
-    reference = [atoms.copy() for i, atoms in enumerate(_argon(8)) if i != 5]
+    reference = [
+        atoms.copy() for i, atoms in enumerate(moving_argon_cells(8)) if i != 5
+    ]
     _run_vv(reference, NVAlchemiCalculator("lj", device="cpu", dtype="float64"), 30)
     others = [atoms for i, atoms in enumerate(images) if i != 5]
     for atoms, expected in zip(others, reference, strict=True):
@@ -181,7 +171,7 @@ def test_nan_forces_in_one_structure_cost_only_that_structure():
 
 def test_optimizer_returns_when_every_structure_converged_or_failed(guard_path):
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-    images = _argon(6)
+    images = moving_argon_cells(6)
     for atoms in images:
         atoms.set_momenta(None)
     undo = _poisoned(calc.model, graph=2, at_call=4)
@@ -197,7 +187,9 @@ def test_optimizer_returns_when_every_structure_converged_or_failed(guard_path):
     assert opt.failed_mask.tolist() == [i == 2 for i in range(6)]
     assert opt.converged_mask.tolist() == [i != 2 for i in range(6)]
     assert opt.nsteps < 1000
-    reference = [atoms.copy() for i, atoms in enumerate(_argon(6)) if i != 2]
+    reference = [
+        atoms.copy() for i, atoms in enumerate(moving_argon_cells(6)) if i != 2
+    ]
     ref_calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     for atoms in reference:
         atoms.set_momenta(None)
@@ -211,7 +203,7 @@ def test_optimizer_returns_when_every_structure_converged_or_failed(guard_path):
 
 
 def test_on_failure_raise_restores_raise_on_first_failure(fresh_lj):
-    images = [*_argon(3), _colliding_dimer()]
+    images = [*moving_argon_cells(3), _colliding_dimer()]
     for atoms in images:
         atoms.calc = fresh_lj
     dyn = VelocityVerlet(images, 1.0 * units.fs, on_failure="raise")
@@ -225,10 +217,12 @@ def test_on_failure_raise_restores_raise_on_first_failure(fresh_lj):
 
 def test_failure_limits_are_checked_and_configurable(fresh_lj):
     with pytest.raises(ValueError, match="on_failure"):
-        VelocityVerlet(_argon(1), 1.0 * units.fs, model="lj", on_failure="ignore")
+        VelocityVerlet(
+            moving_argon_cells(1), 1.0 * units.fs, model="lj", on_failure="ignore"
+        )
     with pytest.raises(ValueError, match="max_force"):
         FailureLimits(max_force=-1.0)
-    images = _argon(2)
+    images = moving_argon_cells(2)
     for atoms in images:
         atoms.calc = fresh_lj
     # a limit every structure crosses at once: all stop at step 1, input kept
@@ -244,7 +238,7 @@ def test_failure_limits_are_checked_and_configurable(fresh_lj):
 
 def test_failed_call_keeps_exact_float64_input():
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float32")
-    images = _argon(3)
+    images = moving_argon_cells(3)
     before = [(a.positions.copy(), a.cell.array.copy()) for a in images]
 
     def broken(batch, *args, **kwargs):
@@ -265,7 +259,7 @@ def test_failed_call_keeps_exact_float64_input():
 
 def test_structure_that_did_not_move_keeps_exact_float64_input():
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float32")
-    images = _argon(2)
+    images = moving_argon_cells(2)
     images[1].set_constraint(FixAtoms(indices=range(len(images[1]))))
     positions = images[1].positions.copy()
     for atoms in images:
@@ -277,7 +271,7 @@ def test_structure_that_did_not_move_keeps_exact_float64_input():
 
 
 def test_constraint_added_between_runs_is_honoured(fresh_lj):
-    images = _argon(2)
+    images = moving_argon_cells(2)
     for atoms in images:
         atoms.calc = fresh_lj
     dyn = VelocityVerlet(images, 1.0 * units.fs)
@@ -299,7 +293,7 @@ def test_guard_costs_no_extra_model_call(fresh_lj):
 
     fresh_lj.model.forward = counting
     try:
-        images = _argon(2)
+        images = moving_argon_cells(2)
         for atoms in images:
             atoms.calc = fresh_lj
         VelocityVerlet(images, 1.0 * units.fs).run(10)
@@ -318,7 +312,7 @@ def test_relax_then_md_isolates_a_failing_structure():
         return opt.then(md, fmax=0.05, md_steps=10)
 
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-    images = _argon(4)
+    images = moving_argon_cells(4)
     undo = _poisoned(calc.model, graph=1, at_call=6)
     try:
         run = fused(images, calc)
@@ -328,7 +322,7 @@ def test_relax_then_md_isolates_a_failing_structure():
         undo()
     assert finished
     assert [f.index for f in run.failures] == [1]
-    reference = [atoms for i, atoms in enumerate(_argon(4)) if i != 1]
+    reference = [atoms for i, atoms in enumerate(moving_argon_cells(4)) if i != 1]
     fused(reference, NVAlchemiCalculator("lj", device="cpu", dtype="float64")).run(200)
     others = [atoms for i, atoms in enumerate(images) if i != 1]
     for atoms, expected in zip(others, reference, strict=True):
@@ -340,7 +334,7 @@ def test_relax_then_md_isolates_a_failing_structure():
 
 def test_guard_quick_test_answers_as_the_exact_one(fresh_lj):
     """The cheap whole-batch test may only send a batch on to the exact one."""
-    dyn = _run_vv(_argon(3), fresh_lj, 2)
+    dyn = _run_vv(moving_argon_cells(3), fresh_lj, 2)
     guard, batch = dyn._guard, dyn.batch
     guard.take_snapshot(batch)
     limits = guard.limits

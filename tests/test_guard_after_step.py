@@ -16,8 +16,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from ase import Atoms, units
-from ase.build import bulk
+from ase import units
 from ase.constraints import FixAtoms
 
 from nvalchemi_ase import NVAlchemiCalculator, atoms_to_batch
@@ -29,18 +28,7 @@ from nvalchemi_ase.dynamics.failures import (
 )
 from nvalchemi_ase.md import Langevin, VelocityVerlet
 from nvalchemi_ase.optimize import FIRE
-
-
-def _argon(count: int) -> list[Atoms]:
-    """``count`` rattled argon cells of 4 and 8 atoms, with small momenta."""
-    images = []
-    for index in range(count):
-        atoms = bulk("Ar", "fcc", a=5.26, cubic=True) * (1 + index % 2, 1, 1)
-        atoms.rattle(0.05, seed=index)
-        rng = np.random.default_rng(index)
-        atoms.set_momenta(rng.normal(0.0, 0.5, (len(atoms), 3)))
-        images.append(atoms)
-    return images
+from tests.structures import moving_argon_cells
 
 
 @pytest.fixture
@@ -76,18 +64,24 @@ class _PoisonVelocities:
 
 def test_what_may_change_between_the_checks(lj):
     """Optimizers: nothing; VelocityVerlet: velocities; otherwise anything."""
-    assert FIRE(_with(lj, _argon(2)), logfile=None)._changes_after_compute() == ()
-    dyn = VelocityVerlet(_with(lj, _argon(2)), 1.0 * units.fs)
+    assert (
+        FIRE(_with(lj, moving_argon_cells(2)), logfile=None)._changes_after_compute()
+        == ()
+    )
+    dyn = VelocityVerlet(_with(lj, moving_argon_cells(2)), 1.0 * units.fs)
     assert dyn._changes_after_compute() == ("velocities",)
     thermostat = Langevin(
-        _with(lj, _argon(2)), 1.0 * units.fs, temperature_K=300, friction=0.01
+        _with(lj, moving_argon_cells(2)),
+        1.0 * units.fs,
+        temperature_K=300,
+        friction=0.01,
     )
     assert thermostat._changes_after_compute() is None
-    frozen = _with(lj, _argon(2))
+    frozen = _with(lj, moving_argon_cells(2))
     frozen[0].set_constraint(FixAtoms([0]))  # nvalchemi's FreezeAtomsHook
     assert FIRE(frozen, logfile=None)._changes_after_compute() is None
     # a hook attached later (any stage from AFTER_COMPUTE on) counts at once
-    opt = FIRE(_with(lj, _argon(2)), logfile=None)
+    opt = FIRE(_with(lj, moving_argon_cells(2)), logfile=None)
     stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
     opt.attach(_PoisonVelocities(stages.AFTER_POST_UPDATE, 0, 10**9))
     assert opt._changes_after_compute() is None
@@ -101,7 +95,7 @@ def test_failure_after_compute_is_caught_at_its_step(lj, monkeypatch, cpu_path):
 
         monkeypatch.setattr(devices, "host_reads_are_free", lambda device: False)
     stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
-    opt = FIRE(_with(lj, _argon(3)), logfile=None)
+    opt = FIRE(_with(lj, moving_argon_cells(3)), logfile=None)
     opt.attach(_PoisonVelocities(stages.AFTER_POST_UPDATE, graph=1, at_step=3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StructureFailedWarning)
@@ -122,7 +116,7 @@ def test_check_after_step_reads_the_fields_it_is_told(changes, flagged):
     A field outside ``changes`` is taken as unchanged since the first check,
     which passed: its corruption here is (by design) not looked at.
     """
-    images = _argon(3)
+    images = moving_argon_cells(3)
     batch = atoms_to_batch(images, device="cpu", dtype="float64")
     guard = FailureGuard(batch, FailureLimits(), ase_step=lambda: 4)
     guard.changes_after_compute = lambda: changes

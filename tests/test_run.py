@@ -49,14 +49,27 @@ def _positions(run, graph):
     return batch.positions[start:stop].detach().cpu().numpy()
 
 
-def test_retire_and_admit_in_place_keep_every_path_as_alone(lj_calc64):
-    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
-    later = [cluster(), rattled_bulk(2, seed=9)]
+def _first_and_later() -> tuple[list, list]:
+    """Three structures a run starts with, two admitted later (all sizes differ)."""
+    return (
+        [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()],
+        [cluster(), rattled_bulk(2, seed=9)],
+    )
+
+
+def _relaxed_for(first: list, calc, steps: int) -> tuple[optimize.FIRE, list]:
+    """FIRE on copies of ``first`` (``calc`` attached), run ``steps`` steps."""
     images = [atoms.copy() for atoms in first]
     for atoms in images:
-        atoms.calc = lj_calc64
+        atoms.calc = calc
     opt = optimize.FIRE(images, logfile=None)
-    opt.run(fmax=1e-12, steps=4)
+    opt.run(fmax=1e-12, steps=steps)
+    return opt, images
+
+
+def test_retire_and_admit_in_place_keep_every_path_as_alone(lj_calc64):
+    first, later = _first_and_later()
+    opt, _ = _relaxed_for(first, lj_calc64, steps=4)
     run = opt.batch_run
     engine = run.engine
     arrivals = atoms_to_batch(later, device="cpu", dtype=torch.float64)
@@ -352,13 +365,8 @@ def _alone_results(atoms, calc):
 def test_a_refill_evaluates_the_admitted_structures_alone_as_they_are_alone(
     lj_calc64, monkeypatch
 ):
-    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
-    later = [cluster(), rattled_bulk(2, seed=9)]
-    images = [atoms.copy() for atoms in first]
-    for atoms in images:
-        atoms.calc = lj_calc64
-    opt = optimize.FIRE(images, logfile=None)
-    opt.run(fmax=1e-12, steps=3)
+    first, later = _first_and_later()
+    opt, images = _relaxed_for(first, lj_calc64, steps=3)
     survivors = [images[2].copy(), images[0].copy()]  # as they are now
     calls = _counting_calls(opt.model, monkeypatch)
     opt.resize([2, 0], [atoms.copy() for atoms in later])
@@ -394,12 +402,8 @@ def test_a_refill_evaluates_the_admitted_structures_alone_as_they_are_alone(
 
 
 def test_retiring_without_admitting_evaluates_nothing(lj_calc64, monkeypatch):
-    first = [rattled_bulk(2, seed=1), triclinic(), small_cell_rattled()]
-    images = [atoms.copy() for atoms in first]
-    for atoms in images:
-        atoms.calc = lj_calc64
-    opt = optimize.FIRE(images, logfile=None)
-    opt.run(fmax=1e-12, steps=3)
+    first, _ = _first_and_later()
+    opt, _ = _relaxed_for(first, lj_calc64, steps=3)
     calls = _counting_calls(opt.model, monkeypatch)
     opt.resize([2, 0], [])
     assert calls == []  # the survivors keep their outputs and lists
