@@ -83,6 +83,7 @@ from nvalchemi_ase.convert._common import (
     MIN_DISTANCE,
     NotCarriedWarning,
     StructureError,
+    _Stacked,
 )
 from nvalchemi_ase.convert._stacking import (
     _check_atoms_fields,
@@ -118,11 +119,13 @@ __all__ = [
     "MAX_ATOMIC_NUMBER",
     "MAX_PERIODIC_IMAGES",
     "MIN_DISTANCE",
+    "CheckedImages",
     "NotCarriedWarning",
     "StructureError",
     "as_atoms_list",
     "atoms_to_batch",
     "batch_field",
+    "batch_from_checked",
     "batch_results",
     "batch_to_atoms",
     "check_images",
@@ -172,9 +175,41 @@ def as_atoms_list(images: Atoms | Iterable[Atoms]) -> list[Atoms]:
     return atoms_list
 
 
+class CheckedImages:
+    """Structures :func:`check_images` passed, stacked: what their batch is built from.
+
+    Returned by :func:`check_images`; :func:`batch_from_checked` builds the
+    batch from it without converting or checking the structures again (a
+    runner checks the structures it admits, then builds their batch).
+
+    Attributes
+    ----------
+    images : list of ase.Atoms
+        The structures checked (the same objects, not copies).
+    model : BaseModelMixin or None
+        The model they were checked against.
+    skin : float
+        The Verlet skin, Å, of the cell-height check.
+    """
+
+    def __init__(
+        self, images: list[Atoms], stacked: _Stacked, model: Any, skin: float
+    ) -> None:
+        self.images = images
+        self.model = model
+        self.skin = skin
+        self._stacked: _Stacked | None = stacked
+
+    def holds(self, images: Sequence[Atoms]) -> bool:
+        """Whether these are the checked structures (the same objects, same order)."""
+        return len(images) == len(self.images) and all(
+            mine is theirs for mine, theirs in zip(self.images, images, strict=True)
+        )
+
+
 def check_images(
     images: Atoms | Sequence[Atoms], *, model: Any = None, skin: float = 0.0
-) -> None:
+) -> CheckedImages:
     """Validate structures before any work, as :func:`atoms_to_batch` does, and more.
 
     Without a model this runs exactly the checks of :func:`atoms_to_batch`
@@ -206,6 +241,12 @@ def check_images(
         Verlet skin, Å, added to the model's cutoff (a dynamics object's
         ``neighbor_skin``; 0 for single evaluations).
 
+    Returns
+    -------
+    CheckedImages
+        The structures' arrays as checked, from which
+        :func:`batch_from_checked` builds their batch without a second pass.
+
     Raises
     ------
     StructureError
@@ -214,9 +255,54 @@ def check_images(
         For an ``images`` that is not ``Atoms``, an empty list, or a bad ``skin``.
     """
     skin = _check_skin(skin)
-    stacked = _stack(as_atoms_list(images))
+    atoms_list = as_atoms_list(images)
+    stacked = _stack(atoms_list)
     if model is not None:
         _check_model_fit(stacked, model, skin)
+    return CheckedImages(atoms_list, stacked, model, skin)
+
+
+def batch_from_checked(
+    checked: CheckedImages,
+    *,
+    device: torch.device | str | None = None,
+    dtype: DtypeLike = None,
+) -> Batch:
+    """Build the batch of structures :func:`check_images` passed, without a second pass.
+
+    The same ``Batch`` as ``atoms_to_batch(checked.images, device=device,
+    dtype=dtype, warn_dropped=False)`` (bit for bit), from the arrays the
+    check stacked: the structures are neither converted nor checked again.
+    It holds the structures as they were when checked (change an ``Atoms``
+    after the check and check it again). The batch takes the checked arrays
+    over without a copy, so each :class:`CheckedImages` builds one batch.
+
+    Parameters
+    ----------
+    checked : CheckedImages
+        What :func:`check_images` returned.
+    device : torch.device or str or None
+        Where the batch lives; ``None`` means CUDA when available, else CPU.
+    dtype : torch.dtype or str or None
+        Floating dtype (default ``torch.float64``), as for :func:`atoms_to_batch`.
+
+    Returns
+    -------
+    nvalchemi.data.Batch
+        B graphs, no neighbour list; fields as :func:`atoms_to_batch`'s.
+
+    Raises
+    ------
+    ValueError
+        If a batch was built from ``checked`` already.
+    """
+    stacked, checked._stacked = checked._stacked, None
+    if stacked is None:
+        raise ValueError(
+            "these checked structures built a batch already (it holds their arrays); "
+            "check them again with check_images for another batch"
+        )
+    return _build_batch(stacked, resolve_device(device), resolve_dtype(dtype))
 
 
 def atoms_to_batch(

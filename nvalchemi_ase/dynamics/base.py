@@ -34,7 +34,9 @@ from nvalchemi_ase._compat import promises_noop_post_update
 from nvalchemi_ase._quiet import import_quietly
 from nvalchemi_ase.convert import (
     FROZEN_CATEGORY,
+    CheckedImages,
     atoms_to_batch,
+    batch_from_checked,
     check_images,
     update_atoms,
 )
@@ -525,7 +527,7 @@ class BatchedDynamics(AseBaseDynamics):
         images: list[Atoms],
         *,
         trajectories: list[Any] | None = None,
-        checked: bool = False,
+        checked: bool | CheckedImages = False,
     ) -> None:
         """Keep the structures ``keep`` (in that order) and append ``images``, in place.
 
@@ -548,10 +550,13 @@ class BatchedDynamics(AseBaseDynamics):
         trajectories : list of path or Trajectory, optional
             One per admitted structure; required when this object writes
             trajectories.
-        checked : bool
+        checked : bool or CheckedImages
             The caller has already run :func:`~nvalchemi_ase.convert.check_images`
             on ``images`` with this object's model and neighbour skin (the
-            runners do, for all a refill admits); not again here.
+            runners do, for all a refill admits); not again here. What that
+            call returned (for these very ``images``) also builds their batch,
+            without converting them again
+            (:func:`~nvalchemi_ase.convert.batch_from_checked`).
 
         Raises
         ------
@@ -578,7 +583,12 @@ class BatchedDynamics(AseBaseDynamics):
                 "resize admits structures with FixAtoms constraints only; create a "
                 "new object for others"
             )
-        if arrivals and not checked:
+        prechecked = (
+            checked
+            if isinstance(checked, CheckedImages) and checked.holds(arrivals)
+            else None
+        )
+        if arrivals and not (checked is True or prechecked is not None):
             check_images(arrivals, model=self.model, skin=self.neighbor_skin)
         if bool(self.trajectories) and (
             trajectories is None or len(trajectories) != len(arrivals)
@@ -595,7 +605,7 @@ class BatchedDynamics(AseBaseDynamics):
             self._cell_at_write.index_select(0, rows),
         )
         raw = self._raw_results.select(old, kept_atoms, rows)
-        fresh = self._batch_of(arrivals) if arrivals else None
+        fresh = self._batch_of(arrivals, checked=prechecked) if arrivals else None
         self.batch_run.resize(kept, fresh, fresh_engine=self._engine_for_resize())
         self._resize_mirror(kept, arrivals, at_write, trajectories or [])
         self._raw_results.carry(raw)
@@ -1078,15 +1088,27 @@ class BatchedDynamics(AseBaseDynamics):
     def _initial_batch(self) -> Batch:
         return self._batch_of(self.images)
 
-    def _batch_of(self, images: list[Atoms]) -> Batch:
-        """Build the batch of ``images`` on the run's device and dtype."""
-        batch = atoms_to_batch(
-            images,
-            device=self.setup.device,
-            dtype=self.setup.dtype,
-            warn_dropped=False,
-            model=self.model,
-            skin=self.neighbor_skin,
+    def _batch_of(
+        self, images: list[Atoms], *, checked: CheckedImages | None = None
+    ) -> Batch:
+        """Build the batch of ``images`` on the run's device and dtype.
+
+        ``checked``: their :func:`~nvalchemi_ase.convert.check_images` result
+        with this model and skin, built from without a second pass.
+        """
+        batch = (
+            atoms_to_batch(
+                images,
+                device=self.setup.device,
+                dtype=self.setup.dtype,
+                warn_dropped=False,
+                model=self.model,
+                skin=self.neighbor_skin,
+            )
+            if checked is None
+            else batch_from_checked(
+                checked, device=self.setup.device, dtype=self.setup.dtype
+            )
         )
         if not self.velocities_are_momenta:
             batch.velocities.zero_()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,9 @@ from nvalchemi_ase.units import (
     temperature_K_to_nvalchemi,
     thermal_energy_nvalchemi,
 )
+
+if TYPE_CHECKING:
+    from nvalchemi_ase.convert import CheckedImages
 
 __all__ = [
     "BatchedMolecularDynamics",
@@ -253,7 +256,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         images: list[Any],
         *,
         trajectories: list[Any] | None = None,
-        checked: bool = False,
+        checked: bool | CheckedImages = False,
         parameters: dict[str, Any] | None = None,
     ) -> None:
         """Keep the structures ``keep`` and append ``images``, in place.
@@ -280,7 +283,7 @@ class BatchedMolecularDynamics(BatchedDynamics):
         trajectories : list of path or Trajectory, optional
             One per admitted structure; required when this object writes
             trajectories.
-        checked : bool
+        checked : bool or CheckedImages
             The caller has already checked ``images`` (as the base class).
         parameters : dict, optional
             Per-structure arguments of the admitted structures, by name (one

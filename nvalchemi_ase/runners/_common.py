@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.convert import CheckedImages
     from nvalchemi_ase.identity import Job
     from nvalchemi_ase.runners.budget import Budget
     from nvalchemi_ase.runners.distributed import Shard
@@ -237,17 +238,28 @@ class Admission:
         cells); only when it finds a problem is each structure checked on its
         own, for its own reason.
         """
+        return self.checked(images)[0]
+
+    def checked(
+        self, images: list[Atoms]
+    ) -> tuple[list[str | None], CheckedImages | None]:
+        """:meth:`refusals`, and the checked structures when all of them pass.
+
+        The :class:`~nvalchemi_ase.convert.CheckedImages` (None when one is
+        refused) builds their batch without converting them again
+        (:func:`~nvalchemi_ase.convert.batch_from_checked`).
+        """
         from nvalchemi_ase.convert import check_images
         from nvalchemi_ase.dynamics.images import check_constraints
 
         if not images:
-            return []
+            return [], None
         try:
-            check_images(images, model=self._model, skin=self._skin)
+            checked = check_images(images, model=self._model, skin=self._skin)
             check_constraints(images)
         except (ValueError, TypeError):  # StructureError is a ValueError
-            return [self(atoms) for atoms in images]
-        return [None] * len(images)
+            return [self(atoms) for atoms in images], None
+        return [None] * len(images), checked
 
 
 #: Step limit passed to the optimizer: the runner enforces per-structure limits.

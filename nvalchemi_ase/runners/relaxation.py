@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from ase import Atoms
 
     from nvalchemi_ase.calculator import NVAlchemiCalculator
+    from nvalchemi_ase.convert import CheckedImages
 
 __all__ = ["OPTIMIZERS", "irelax", "relax"]
 
@@ -466,13 +467,20 @@ class _Queue:
         self._next = None
         return slot
 
-    def admissible(self, slots: list[Slot]) -> list[Slot]:
-        """Return the ``slots`` the model can run; the others go to ``refused``."""
-        reasons = self._admission.refusals([slot.atoms for slot in slots])
+    def admissible(self, slots: list[Slot]) -> tuple[list[Slot], CheckedImages | None]:
+        """Return the ``slots`` the model can run; the others go to ``refused``.
+
+        Also their :class:`~nvalchemi_ase.convert.CheckedImages` when every
+        one passed (their batch is built from it, without a second pass).
+        """
+        reasons, checked = self._admission.checked([slot.atoms for slot in slots])
         for slot, reason in zip(slots, reasons, strict=True):
             if reason is not None:
                 self.refused.append((slot, reason))
-        return [slot for slot, reason in zip(slots, reasons, strict=True) if not reason]
+        runnable = [
+            slot for slot, reason in zip(slots, reasons, strict=True) if not reason
+        ]
+        return runnable, checked
 
 
 class _Runner:
@@ -514,6 +522,12 @@ class _Runner:
         self._evaluated = False
         self._survivors = 0
         self._sizes = np.zeros(0, dtype=np.int64)
+        #: Each slot's own steps [B] (``Slot.steps`` is written when it finishes).
+        self._steps = np.zeros(0, dtype=np.int64)
+        #: Each slot's cost [B, 4] (``Slot.cost``).
+        self._costs = np.zeros((0, 4))
+        #: The admitted structures' checks, their batch built from them (or None).
+        self._checked: CheckedImages | None = None
         self._idle = 0.0
         self.restart = restart
         self.stop = stop
@@ -561,17 +575,15 @@ class _Runner:
 
     def _used(self) -> npt.NDArray[np.float64]:
         """(atoms, edges, bytes, structures) of the structures still moving."""
-        used = np.zeros(4)
-        for slot, done in zip(self.slots, self.finished, strict=True):
-            if not done:
-                used = used + slot.cost
-        return used
+        return self._costs[~self.finished].sum(axis=0)
 
     def _admit(self, queue: _Queue) -> list[Slot]:
         used = self._used()
         if self.cell_filter is not None and used.any():
             return []  # variable cell: the whole batch finishes first
         admitted: list[Slot] = []
+        self._checked = None
+        checks = 0
         while True:  # again while refusals free room
             taken: list[Slot] = []
             while (slot := queue.peek()) is not None and (
@@ -582,9 +594,12 @@ class _Runner:
                 used = used + slot.cost
             if not taken:
                 return admitted
-            runnable = queue.admissible(taken)
+            runnable, checked = queue.admissible(taken)
             admitted += runnable
+            checks += 1
             if len(runnable) == len(taken):
+                # one check that passed them all: their batch is built from it
+                self._checked = checked if checks == 1 else None
                 return admitted
             used = self._used() + sum((s.cost for s in admitted), np.zeros(4))
 
@@ -607,10 +622,14 @@ class _Runner:
             for slot in admitted:
                 slot.series = []
         keep = np.flatnonzero(~self.finished)
+        steps = np.concatenate(
+            [self._steps[keep], np.zeros(len(admitted), dtype=np.int64)]
+        )
         if self.opt is not None and self.opt.resizable():
-            self._resize(keep, survivors, admitted)
+            self._resize(keep, survivors, admitted, steps)
         else:
-            self._rebuild_optimizer(keep, survivors, admitted)
+            self._rebuild_optimizer(keep, survivors, admitted, steps)
+        self._checked = None
         self._idle = 0.0  # batches' atoms frozen since this refill, summed
 
     def _open_trajectories(self, admitted: list[Slot]) -> None:
@@ -627,7 +646,11 @@ class _Runner:
             slot.trajectory = Trajectory(path, "w")
 
     def _resize(
-        self, keep: npt.NDArray[np.intp], survivors: list[Slot], admitted: list[Slot]
+        self,
+        keep: npt.NDArray[np.intp],
+        survivors: list[Slot],
+        admitted: list[Slot],
+        steps: npt.NDArray[np.int64],
     ) -> None:
         """Retire the finished structures and admit new ones into the same run."""
         with quiet_failures():
@@ -639,16 +662,24 @@ class _Runner:
                     if self.trajectory is None
                     else [slot.trajectory for slot in admitted]
                 ),
-                checked=True,  # _Queue.admissible checked them with this model
+                # _Queue.admissible checked them with this model: their batch
+                # is built from that check when it passed them all at once
+                checked=True if self._checked is None else self._checked,
             )
         live = self._run is not None
-        self._adopt(slots=[*survivors, *admitted], survivors=len(survivors))
+        self._adopt(
+            slots=[*survivors, *admitted], survivors=len(survivors), steps=steps
+        )
         # the resize evaluated the batch: a live run's next step is a step (a
         # new run's first yield is that evaluation, without a model call)
         self._evaluated = live
 
     def _rebuild_optimizer(
-        self, keep: npt.NDArray[np.intp], survivors: list[Slot], admitted: list[Slot]
+        self,
+        keep: npt.NDArray[np.intp],
+        survivors: list[Slot],
+        admitted: list[Slot],
+        steps: npt.NDArray[np.int64],
     ) -> None:
         """Build an optimizer over survivors + admitted; carry survivors' state."""
         previous = self.opt
@@ -662,7 +693,7 @@ class _Runner:
         kwargs = dict(self.optimizer_kwargs)
         if self.trajectory is not None:
             kwargs["trajectory"] = [slot.trajectory for slot in slots]
-        self._start(slots, kwargs, survivors=len(survivors))
+        self._start(slots, kwargs, survivors=len(survivors), steps=steps)
         if previous is not None:
             self.opt.batch_run.carry_from(previous.batch_run, keep, len(admitted))
 
@@ -674,12 +705,14 @@ class _Runner:
         survivors: int,
         finished: npt.NDArray[np.bool_] | None = None,
         restart: Path | None = None,
+        steps: npt.NDArray[np.int64] | None = None,
     ) -> None:
         """Build the optimizer over ``slots`` and the generator that runs it.
 
         ``survivors``: how many leading slots the first evaluation does not
         step (a continued batch: all of them); ``restart``: the checkpoint the
-        optimizer continues from (it writes none itself: the runner does).
+        optimizer continues from (it writes none itself: the runner does);
+        ``steps``: each slot's steps (default: ``Slot.steps``).
         """
         images = [
             slot.atoms if self.cell_filter is None else self.cell_filter(slot.atoms)
@@ -703,7 +736,7 @@ class _Runner:
         opt.restart = None  # the runner writes its checkpoints itself
         self.opt = opt
         self._run = None
-        self._adopt(slots, survivors=survivors, finished=finished)
+        self._adopt(slots, survivors=survivors, finished=finished, steps=steps)
 
     def _adopt(
         self,
@@ -711,11 +744,21 @@ class _Runner:
         *,
         survivors: int,
         finished: npt.NDArray[np.bool_] | None = None,
+        steps: npt.NDArray[np.int64] | None = None,
     ) -> None:
-        """Take ``slots`` as the working batch; start the optimizer's run if none."""
+        """Take ``slots`` as the working batch; start the optimizer's run if none.
+
+        ``steps``: each slot's steps so far (default: ``Slot.steps``).
+        """
         self.slots = slots
         self._survivors = survivors
-        self._sizes = np.array([len(slot.atoms) for slot in slots])
+        self._costs = np.array([slot.cost for slot in slots]).reshape(-1, 4)
+        self._sizes = self._costs[:, 0].astype(np.int64)
+        self._steps = (
+            np.array([slot.steps for slot in slots], dtype=np.int64)
+            if steps is None
+            else steps
+        )
         self.finished = (
             np.zeros(len(slots), dtype=bool) if finished is None else finished
         )
@@ -756,7 +799,7 @@ class _Runner:
         series = [slot.series for slot in self.slots]
         tags = {
             INDICES_TAG: np.array([s.index for s in self.slots], dtype=np.int64),
-            STEPS_TAG: np.array([s.steps for s in self.slots], dtype=np.int64),
+            STEPS_TAG: self._steps.copy(),
             FINISHED_TAG: self.finished.copy(),
             IDLE_TAG: np.asarray(self._idle, dtype=np.float64),
             FRAMES_TAG: np.array(
@@ -832,14 +875,13 @@ class _Runner:
                     stepped = np.arange(len(self.slots)) >= self._survivors
                 else:
                     stepped = moving
-                    for position in np.flatnonzero(moving):
-                        self.slots[position].steps += 1
+                    self._steps[moving] += 1
                 first = False
                 if self.series is not None:
                     self._record(stepped)
                 converged = self.opt.converged_mask
                 failed = self.opt.failed_mask
-                limit = np.array([slot.steps >= self.steps for slot in self.slots])
+                limit = self._steps >= self.steps
                 ended = (converged | failed | limit) & ~self.finished
                 done = (
                     self._finish(np.flatnonzero(ended), converged, failed)
@@ -913,6 +955,8 @@ class _Runner:
         self.opt.sync_structures(ending)  # the others are written at the refill
         reasons = {f.index: f.reason for f in self.opt.failures}
         slots = [self.slots[position] for position in positions]
+        for slot, steps in zip(slots, self._steps[positions].tolist(), strict=True):
+            slot.steps = steps
         results = final_values(
             self.calc,
             [slot.atoms for slot in slots],
