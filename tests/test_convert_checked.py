@@ -20,6 +20,7 @@ from nvalchemi_ase.convert import (
     atoms_to_batch,
     batch_from_checked,
     check_images,
+    update_atoms,
 )
 from nvalchemi_ase.runners._common import Admission
 from tests.structures import A_AR, cluster, left_handed, rattled_bulk, slab, thermalize
@@ -129,3 +130,20 @@ def test_admission_refuses_as_before_and_checks_only_sets_that_pass(model):
         batch_from_checked(checked, device="cpu"),
         atoms_to_batch(good, device="cpu", warn_dropped=False),
     )
+
+
+def test_update_atoms_only_checks_and_writes_the_chosen_structures():
+    images = [bulk("Ar", "fcc", a=A_AR) * (n, 1, 1) for n in (1, 2, 3)]
+    batch = atoms_to_batch(images, device="cpu", warn_dropped=False)
+    with torch.no_grad():
+        batch.positions.add_(0.25)
+    targets = [atoms.copy() for atoms in images]
+    before = [atoms.positions.copy() for atoms in targets]
+    update_atoms(targets, batch, results=False, only=[1])
+    np.testing.assert_array_equal(targets[0].positions, before[0])
+    np.testing.assert_array_equal(targets[2].positions, before[2])
+    np.testing.assert_allclose(targets[1].positions, before[1] + 0.25, atol=1e-12)
+    wrong = [targets[0], targets[1], targets[2][:1]]  # the chosen one is wrong
+    with pytest.raises(ValueError, match=r"images\[2\] has 1 atoms"):
+        update_atoms(wrong, batch, results=False, only=[2])
+    np.testing.assert_array_equal(targets[2].positions, before[2])

@@ -499,9 +499,9 @@ def update_atoms(
     """
     atoms_list = as_atoms_list(images)
     host = _HostCopy(batch, outputs, rotation=rotation)
-    _check_same_shape(atoms_list, host)
     count = len(atoms_list)
     chosen = range(count) if only is None else [int(k) for k in only]
+    _check_same_shape(atoms_list, host, chosen)
     result_dicts = _results_from_host(host, chosen) if results else None
     write_momenta = np.broadcast_to(np.asarray(momenta, dtype=bool), (count,))
     write_positions = np.broadcast_to(np.asarray(positions, dtype=bool), (count,))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -186,14 +186,22 @@ def _restore_optional_fields(atoms: Atoms, host: _HostCopy, index: int) -> None:
         )
 
 
-def _check_same_shape(atoms_list: list[Atoms], host: _HostCopy) -> None:
+def _check_same_shape(
+    atoms_list: list[Atoms], host: _HostCopy, chosen: Iterable[int] | None = None
+) -> None:
+    """Refuse a list that is not the batch's: its length, and the atom counts.
+
+    ``chosen``: check the atom counts of these structures only (those written).
+    """
     if len(atoms_list) != host.num_graphs:
         raise ValueError(
             f"update_atoms got {len(atoms_list)} structures for a batch of "
             f"{host.num_graphs} graphs; pass the list the batch was built from"
         )
     counts = np.diff(host.ptr)
-    for index, atoms in enumerate(atoms_list):
+    indices = range(len(atoms_list)) if chosen is None else chosen
+    for index in indices:
+        atoms = atoms_list[index]
         if len(atoms) != counts[index]:
             raise ValueError(
                 f"images[{index}] has {len(atoms)} atoms but graph {index} of the "
