@@ -18,6 +18,14 @@ Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
 of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
 itself) when they have taken step ``N``, before its frames (a kill between
 checkpoints).
+
+Several jobs in one launch: their argument lists joined by ``+``
+(``FIRE2 1,0,2 A 1 + FIRE 1,0,2 B 3 + ...``) run one after another, each
+into its own folder; the launch then starts the default process group
+itself (as a user's script does) and each pipeline only adds its group to
+it (one job alone: the pipeline starts and ends the group). A start-up
+(torchrun and two interpreters importing torch and nvalchemi) costs more CPU
+than a job here. A job with ``die=N`` must come last.
 """
 
 from __future__ import annotations
@@ -150,9 +158,40 @@ def build(arguments, **changes):
     return structures, pipeline, steps
 
 
+#: Separates the jobs of one launch on the command line.
+JOIN = "+"
+
+
+def split_jobs(arguments: list[str]) -> list[list[str]]:
+    """The jobs of a command line: argument lists separated by :data:`JOIN`."""
+    jobs: list[list[str]] = [[]]
+    for argument in arguments:
+        if argument == JOIN:
+            jobs.append([])
+        else:
+            jobs[-1].append(argument)
+    return jobs
+
+
 def main() -> None:
-    structures, pipeline, steps = build(sys.argv[1:])
-    folder = Path(sys.argv[3])
+    jobs = split_jobs(sys.argv[1:])
+    if len(jobs) == 1:  # the pipeline starts and ends the process group
+        run_job(jobs[0])
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        for job in jobs:
+            run_job(job)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_job(arguments: list[str]) -> None:
+    """Run one job and write this rank's ``Atoms`` to ``FOLDER/rank{R}.npz``."""
+    structures, pipeline, steps = build(arguments)
+    folder = Path(arguments[2])
     done = pipeline.run(steps)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)

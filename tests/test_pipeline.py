@@ -22,6 +22,7 @@ from nvalchemi_ase.dynamics.checkpoint import CheckpointError, read_checkpoint
 from nvalchemi_ase.pipeline import RelaxThenMDPipeline
 from tests.helpers import torchrun
 from tests.pipeline_worker import (
+    JOIN,
     PIPE,
     THERMOSTAT_K,
     TIMESTEP,
@@ -64,14 +65,14 @@ def _fused(
     return state(structures, fused.stage, handed_over)
 
 
-def _pipelined(
+def _job(
     optimizer: str,
     order: list[int],
     folder,
     loginterval: int | None = None,
     options: tuple[str, ...] = (),
-) -> list[dict]:
-    """What each rank's ``Atoms`` hold after ``optimizer | md`` on two ranks.
+) -> list[str]:
+    """The worker's arguments for ``optimizer | md`` on two ranks into ``folder``.
 
     With ``loginterval`` the pipeline also writes ``pipe_{i}.traj`` and
     ``pipe.log`` (and ``pipe.rank1.log``) into ``folder``; ``options`` are the
@@ -79,16 +80,28 @@ def _pipelined(
     """
     indices = ",".join(str(index) for index in order)
     files = [] if loginterval is None else [str(loginterval)]
-    torchrun(
-        "-m",
-        "tests.pipeline_worker",
-        optimizer,
-        indices,
-        str(folder),
-        *files,
-        *options,
-    )
-    return [dict(np.load(folder / f"rank{rank}.npz")) for rank in (0, 1)]
+    return [optimizer, indices, str(folder), *files, *options]
+
+
+def _launch(*jobs: list[str]) -> str:
+    """Run ``jobs`` in one torchrun launch; its error output ("" if it succeeded).
+
+    One launch runs many jobs: each start-up (torchrun and two interpreters
+    importing torch and nvalchemi) costs more CPU than a job here.
+    """
+    arguments = [argument for job in jobs for argument in (JOIN, *job)][1:]
+    try:
+        torchrun("-m", "tests.pipeline_worker", *arguments)
+    except AssertionError as error:
+        return str(error) or "the launch failed"
+    return ""
+
+
+def _ranks(folder, launch_error: str = "") -> list[dict]:
+    """What each rank's ``Atoms`` held after the job that wrote into ``folder``."""
+    files = [folder / f"rank{rank}.npz" for rank in (0, 1)]
+    assert all(path.exists() for path in files), launch_error
+    return [dict(np.load(path)) for path in files]
 
 
 def _assert_same(got: dict, expected: dict) -> None:
@@ -101,17 +114,67 @@ def _assert_same(got: dict, expected: dict) -> None:
         np.testing.assert_allclose(got[key], expected[key], atol=atol, err_msg=key)
 
 
-@pytest.mark.slow  # two ranks started by torchrun (~25 s each)
+# The run every restart test stops and continues: FIRE | Langevin with its
+# noise on (seeded), frames and log lines every 2 steps, and the structure at
+# position 1 kicked: it relaxes in one step and fails at its first MD step
+# (step 2). The others reach MD at steps 30 and 39 and finish at step 54.
+RESUMED = ("kick=1", "md=SeededLangevin")
+RESUMED_LOGINTERVAL = 2
+#: The first launch's jobs: name -> (optimizer, order, loginterval, options).
+#: ``killed`` dies (SIGKILL at step 35, checkpoints every 4 steps): it is last.
+FIRST_LAUNCH = {
+    "files-FIRE2-1": ("FIRE2", ORDER, 1, ()),
+    "files-FIRE-3": ("FIRE", ORDER, 3, ()),
+    "thermostat-Langevin": ("FIRE", ORDER, None, ("md=Langevin",)),
+    "thermostat-NVTBerendsen": ("FIRE", ORDER, None, ("md=NVTBerendsen",)),
+    "blow-up": ("FIRE2", [0, 1, 2], None, ("kick=1",)),
+    "uninterrupted": ("FIRE", ORDER, RESUMED_LOGINTERVAL, RESUMED),
+    # stopped by run(7), checkpoints every 3 steps (the MD batch is empty then:
+    # the kicked structure failed at step 2, the next arrives at step 30)
+    "stopped": (
+        "FIRE",
+        ORDER,
+        RESUMED_LOGINTERVAL,
+        (*RESUMED, "restart=ckpt.npz", "interval=3", "steps=7"),
+    ),
+    "killed": (
+        "FIRE",
+        ORDER,
+        RESUMED_LOGINTERVAL,
+        (*RESUMED, "restart=ckpt.npz", "interval=4", "die=35"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def first_launch(tmp_path_factory) -> tuple[dict, str]:
+    """Every job of :data:`FIRST_LAUNCH` in one launch: their folders by name,
+    and the launch's error output (the killed job ends it with an error)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in FIRST_LAUNCH}
+    jobs = [
+        _job(optimizer, order, folders[name], loginterval, options)
+        for name, (optimizer, order, loginterval, options) in FIRST_LAUNCH.items()
+    ]
+    return folders, _launch(*jobs)
+
+
+def _launched(first_launch, name: str) -> tuple:
+    """A job of the first launch: its folder and both ranks' results."""
+    folders, error = first_launch
+    return folders[name], _ranks(folders[name], error)
+
+
+@pytest.mark.slow  # two ranks started by torchrun (one launch for the file's jobs)
 @pytest.mark.parametrize(("optimizer", "loginterval"), [("FIRE2", 1), ("FIRE", 3)])
 def test_two_ranks_give_every_rank_and_file_what_the_fused_run_gives(
-    optimizer, loginterval, tmp_path
+    optimizer, loginterval, tmp_path, first_launch
 ):
     """Relaxed on rank 0, sent to rank 1 at the fused run's step, MD, results back;
     each structure's trajectory holds the fused run's frames, and each rank logs."""
     files = {"trajectory": str(tmp_path / "fused_{i}.traj"), "loginterval": loginterval}
     expected = _fused(optimizer, ORDER, **files)
     assert len(set(expected["relax_steps"].tolist())) == 3  # three hand-over steps
-    ranks = _pipelined(optimizer, ORDER, tmp_path, loginterval)
+    folder, ranks = _launched(first_launch, f"files-{optimizer}-{loginterval}")
     for got in ranks:  # rank 0, rank 1
         assert bool(got["done"])
         assert got["stage"].tolist() == [FINISHED] * 3
@@ -119,16 +182,16 @@ def test_two_ranks_give_every_rank_and_file_what_the_fused_run_gives(
         _assert_same(got, expected)
     for index in range(len(ORDER)):
         _assert_same_frames(
-            read(tmp_path / f"pipe_{index}.traj", ":"),
+            read(folder / f"pipe_{index}.traj", ":"),
             read(tmp_path / f"fused_{index}.traj", ":"),
             # the fused run's copies of a finished structure keep the stress of
             # its last frame step (stale when loginterval > 1)
             stress=loginterval == 1,
         )
-    assert sorted(path.name for path in tmp_path.glob(".*")) == []  # no temporaries
+    assert sorted(path.name for path in folder.glob(".*")) == []  # no temporaries
     iterations = int(ranks[0]["nsteps"])
     for name, header in (("pipe.log", "Step"), ("pipe.rank1.log", "Time[ps]")):
-        lines = (tmp_path / name).read_text().splitlines()
+        lines = (folder / name).read_text().splitlines()
         assert lines[0].split()[0] == header
         assert len(lines) == 1 + iterations // loginterval
 
@@ -159,15 +222,15 @@ def _assert_same_frames(got: list, expected: list, *, stress: bool) -> None:
             )
 
 
-@pytest.mark.slow  # two ranks started by torchrun
+@pytest.mark.slow  # two ranks started by torchrun (the first launch)
 @pytest.mark.parametrize("stage", ["Langevin", "NVTBerendsen"])
-def test_a_thermostat_stage_takes_each_structures_own_target(stage, tmp_path):
+def test_a_thermostat_stage_takes_each_structures_own_target(stage, first_launch):
     """``FIRE | Langevin`` (no friction) and ``FIRE | NVTBerendsen``, one target
     temperature per structure: each structure is admitted into rank 1's batch
     with its own target and ends where the fused run ends (Berendsen's path
     depends on the target, so a target given to the wrong structure fails)."""
     expected = _fused("FIRE", ORDER, stage)
-    ranks = _pipelined("FIRE", ORDER, tmp_path, options=(f"md={stage}",))
+    _, ranks = _launched(first_launch, f"thermostat-{stage}")
     for got in ranks:
         assert bool(got["done"])
         assert got["stage"].tolist() == [FINISHED] * 3
@@ -196,13 +259,13 @@ def _per_structure(result: dict, sizes: list[int]) -> list[dict]:
     ]
 
 
-@pytest.mark.slow
-def test_a_structure_that_blows_up_in_md_costs_that_structure_only(tmp_path):
+@pytest.mark.slow  # two ranks started by torchrun (the first launch)
+def test_a_structure_that_blows_up_in_md_costs_that_structure_only(first_launch):
     """One structure enters MD with an atom moving ~2.9 Å per step: the guard on
     rank 1 stops it at its first MD step, both ranks report it by input index,
     step and reason, and the others finish where the fused run without it ends
     (nvalchemi's FIRE2 and NVE: bit for bit independent of the batch here)."""
-    got = _pipelined("FIRE2", [0, 1, 2], tmp_path, options=("kick=1",))
+    _, got = _launched(first_launch, "blow-up")
     sizes = [len(atoms) for atoms in images(None, [0, 1, 2])]
     reference = _per_structure(_fused("FIRE2", [0, 2]), [sizes[0], sizes[2]])
     for rank in got:
@@ -310,38 +373,69 @@ def test_the_pipeline_needs_an_md_batch_that_resizes_in_place(lj_calc64, tmp_pat
 
 # -- checkpoints (restart=) ----------------------------------------------------
 
-# The run every restart test stops and continues: FIRE | Langevin with its
-# noise on (seeded), frames and log lines every 2 steps, and the structure at
-# position 1 kicked: it relaxes in one step and fails at its first MD step
-# (step 2). The others reach MD at steps 30 and 39 and finish at step 54.
-RESUMED = ("kick=1", "md=SeededLangevin")
-RESUMED_LOGINTERVAL = 2
 # A continued run repeats the uninterrupted run's arithmetic (float64).
 RESUME_ATOL = {"positions": 1e-10, "momenta": 1e-10, "forces": 1e-10}
 RESUME_ENERGY_ATOL = 1e-10  # eV
 RESUME_STRESS_ATOL = 1e-12  # eV/Å³
 
 
-def _resumed_run(folder, *options: str) -> list[dict]:
-    return _pipelined(
-        "FIRE", ORDER, folder, RESUMED_LOGINTERVAL, options=(*RESUMED, *options)
-    )
+def _resumed_job(folder, *options: str) -> list[str]:
+    return _job("FIRE", ORDER, folder, RESUMED_LOGINTERVAL, (*RESUMED, *options))
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(first_launch):
     """The run without checkpoints: its folder and both ranks' results."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    return folder, _resumed_run(folder)
+    return _launched(first_launch, "uninterrupted")
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """The run stopped by ``run(7)``, checkpoints every 3 steps (the MD batch
-    is empty then: the kicked structure failed at step 2, the next arrives at
-    step 30)."""
-    folder = tmp_path_factory.mktemp("stopped")
-    return folder, _resumed_run(folder, "restart=ckpt.npz", "interval=3", "steps=7")
+def stopped(first_launch):
+    """The run stopped by ``run(7)``: its folder and both ranks' results."""
+    return _launched(first_launch, "stopped")
+
+
+@pytest.fixture(scope="module")
+def continued(first_launch, stopped, tmp_path_factory) -> dict:
+    """The second launch: the stopped run continued in a moved folder and the
+    killed run continued in its own, with what their folders held before."""
+    folders, first_error = first_launch
+    moved = tmp_path_factory.mktemp("continued") / "moved"
+    shutil.copytree(stopped[0], moved)  # a run's folder may move between launches
+    killed = folders["killed"]
+    before = {
+        "first_error": first_error,
+        "stopped_step": read_checkpoint(moved / "ckpt.npz").meta["nsteps"],
+        "killed_step": read_checkpoint(killed / "ckpt.npz").meta["nsteps"],
+        "killed_logged": len((killed / "pipe.log").read_text().splitlines()),
+    }
+    # as if rank 0 had written its next file and was killed before the
+    # manifest named it: never read, removed
+    last = killed / "ckpt.rank0.step32.npz"
+    if last.exists():
+        shutil.copy(last, killed / "ckpt.rank0.step36.npz")
+    error = _launch(
+        _resumed_job(moved, "restart=ckpt.npz", "interval=3"),
+        _resumed_job(killed, "restart=ckpt.npz", "interval=4"),
+    )
+    return {
+        **before,
+        "moved": (moved, _ranks(moved, error)),
+        "killed": (killed, _ranks(killed, error)),
+    }
+
+
+@pytest.fixture(scope="module")
+def launched_again(continued) -> dict:
+    """The third launch (one job: the pipeline starts its own process group):
+    the finished, continued job once more, and the files it held before."""
+    folder = continued["moved"][0]
+    outputs = ("rank0.npz", "rank1.npz")  # the worker's, written again
+    written = {
+        p.name: p.read_bytes() for p in folder.iterdir() if p.name not in outputs
+    }
+    error = _launch(_resumed_job(folder, "restart=ckpt.npz", "interval=3"))
+    return {"written": written, "ranks": _ranks(folder, error)}
 
 
 def _assert_same_run(folder, ranks: list[dict], reference) -> None:
@@ -388,60 +482,49 @@ def _assert_same_run(folder, ranks: list[dict], reference) -> None:
     )
 
 
-@pytest.mark.slow  # three torchrun launches
+@pytest.mark.slow  # three torchrun launches (shared with the file's other tests)
 def test_a_stopped_run_continued_ends_as_the_uninterrupted_run(
-    uninterrupted, stopped, tmp_path
+    uninterrupted, stopped, continued, launched_again
 ):
     """``run(7)`` then ``run()`` again in a new launch (restart=): every rank's
     results, frames and log lines as without the stop; the structure that
     failed before the stop stays quarantined (reported once, by input index,
     step and reason; not in the MD batch again)."""
-    folder = tmp_path / "moved"  # a run's folder may move between the launches
-    shutil.copytree(stopped[0], folder)
     for rank in stopped[1]:
         assert not bool(rank["done"])
         assert int(rank["nsteps"]) == 7
         assert rank["failures"].tolist() == [[1, 2]]
-    assert read_checkpoint(folder / "ckpt.npz").meta["nsteps"] == 7
-    ranks = _resumed_run(folder, "restart=ckpt.npz", "interval=3")
+    assert continued["stopped_step"] == 7
+    folder, ranks = continued["moved"]
     for rank in ranks:
         assert rank["failures"].tolist() == [[1, 2]]
         assert "max_displacement" in str(rank["reasons"][0])
     _assert_same_run(folder, ranks, uninterrupted)
     # launched once more, the finished job changes no file and ends at once
-    outputs = ("rank0.npz", "rank1.npz")  # the worker's, written again
-    written = {
-        p.name: p.read_bytes() for p in folder.iterdir() if p.name not in outputs
-    }
-    again = _resumed_run(folder, "restart=ckpt.npz", "interval=3")
-    for rank in again:
+    for rank in launched_again["ranks"]:
         assert bool(rank["done"])
         assert int(rank["nsteps"]) == int(uninterrupted[1][0]["nsteps"])
-    for name, content in written.items():
+    for name, content in launched_again["written"].items():
         assert (folder / name).read_bytes() == content, name
-    _assert_same_run(folder, again, uninterrupted)
+    _assert_same_run(folder, launched_again["ranks"], uninterrupted)
 
 
-@pytest.mark.slow  # three torchrun launches
-def test_a_killed_run_continues_from_its_last_checkpoint(uninterrupted, tmp_path):
+@pytest.mark.slow  # three torchrun launches (shared with the file's other tests)
+def test_a_killed_run_continues_from_its_last_checkpoint(uninterrupted, continued):
     """Both ranks SIGKILLed at step 35 (MD batch in use, checkpoints every 4
     steps): the launch continues from step 32 (the MD batch restored with its
     thermostat's noise counters), the frames and log lines written after it
-    are cut, and everything ends as the uninterrupted run."""
-    options = ("restart=ckpt.npz", "interval=4")
-    with pytest.raises(AssertionError):  # torchrun reports the killed ranks
-        _resumed_run(tmp_path, *options, "die=35")
-    assert read_checkpoint(tmp_path / "ckpt.npz").meta["nsteps"] == 32
-    logged = (tmp_path / "pipe.log").read_text().splitlines()
-    assert len(logged) > 1 + 32 // RESUMED_LOGINTERVAL  # lines after the checkpoint
-    # as if rank 0 had written its next file and was killed before the
-    # manifest named it: never read, removed
-    shutil.copy(tmp_path / "ckpt.rank0.step32.npz", tmp_path / "ckpt.rank0.step36.npz")
-    ranks = _resumed_run(tmp_path, *options)
-    _assert_same_run(tmp_path, ranks, uninterrupted)
+    are cut (and a rank file the manifest does not name is removed), and
+    everything ends as the uninterrupted run."""
+    assert continued["first_error"]  # torchrun reports the killed ranks
+    assert continued["killed_step"] == 32
+    # lines after the checkpoint
+    assert continued["killed_logged"] > 1 + 32 // RESUMED_LOGINTERVAL
+    folder, ranks = continued["killed"]
+    _assert_same_run(folder, ranks, uninterrupted)
 
 
-@pytest.mark.slow  # the stopped run's launch
+@pytest.mark.slow  # the first launch
 def test_a_checkpoint_of_another_job_is_refused(stopped, tmp_path):
     """The stopped run's checkpoint continues the same job only: other settings,
     other inputs or a checkpoint of another kind are refused, naming the

@@ -5,7 +5,9 @@ runnable with ``python``) and kept as notebooks beside them
 (``tutorials/NN_*.ipynb``, ``make notebooks`` regenerates them); a test checks
 the two hold the same cells, and the notebooks are executed in a real Jupyter
 kernel (nbclient), so what a notebook user sees is what is tested: inline
-plots, tables and progress widgets included.
+plots, tables and progress widgets included. One kernel runs them all, each
+tutorial after ``%reset -f`` in a folder of its own (a kernel's start and
+imports cost more than most tutorials).
 """
 
 from __future__ import annotations
@@ -63,29 +65,53 @@ def test_notebook_holds_the_scripts_cells(path):
     assert notebook.metadata["kernelspec"]["name"] == "python3"
 
 
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """One Jupyter kernel for every tutorial of this file, started as a user's is.
+
+    A kernel's start (ipykernel, then torch and nvalchemi imported by the
+    first cell) costs more CPU than most tutorials; each tutorial runs after
+    ``%reset -f`` (its namespace empty: a name an earlier tutorial defined is
+    an error again) in a folder of its own. The kernel imports this
+    checkout's package, whatever is installed; the NEB tutorial is on
+    SevenNet-0, its Lennard-Jones variant runs here.
+    """
+    pytest.importorskip("nbclient")
+    jupyter_client = pytest.importorskip("jupyter_client")
+    root = str(Path(__file__).parents[1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NVALCHEMI_ASE_TUTORIAL_MODEL", "lj")
+        patch.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        )
+        manager = jupyter_client.KernelManager(kernel_name="python3")
+        manager.start_kernel(cwd=str(tmp_path_factory.mktemp("kernel")))
+    yield manager
+    manager.shutdown_kernel(now=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", TUTORIALS, ids=[p.stem for p in TUTORIALS])
-def test_notebook_runs(path, tmp_path, monkeypatch):
+def test_notebook_runs(path, tmp_path, kernel):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     for package in NEEDS.get(path.stem, []):
         pytest.importorskip(package)
-    # the NEB tutorial is on SevenNet-0; its Lennard-Jones variant runs here
-    monkeypatch.setenv("NVALCHEMI_ASE_TUTORIAL_MODEL", "lj")
-    # the kernel imports this checkout's package, whatever is installed
-    root = str(Path(__file__).parents[1])
-    monkeypatch.setenv(
-        "PYTHONPATH",
-        os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    )
+    if not kernel.is_alive():  # an earlier tutorial took it down
+        kernel.restart_kernel(now=True)
     notebook = nbformat.read(path.with_suffix(".ipynb"), as_version=4)
+    # a fresh namespace, in this tutorial's folder (no output of its own)
+    fresh = f"%reset -f\nimport os\nos.chdir({str(tmp_path)!r})"
+    notebook.cells.insert(0, nbformat.v4.new_code_cell(fresh))
     client = nbclient.NotebookClient(
-        notebook,
-        timeout=600,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
+        notebook, km=kernel, timeout=600, kernel_name="python3"
     )
-    client.execute()  # raises CellExecutionError, with the traceback, on an error
+    try:
+        client.execute()  # raises CellExecutionError, with the traceback, on an error
+    finally:
+        if client.kc is not None:
+            client.kc.stop_channels()
     outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     shown = {mime for o in outputs for mime in o.get("data", {})}
