@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
+@pytest.mark.slow
 def test_missing_interpreter_is_one_skipped_line(tmp_path):
     report = tmp_path / "performance.md"
     env = dict(os.environ, NVALCHEMI_ASE_TORCHSIM_PYTHON=str(tmp_path / "none"))
@@ -39,6 +40,7 @@ def test_missing_interpreter_is_one_skipped_line(tmp_path):
     assert section.strip().endswith("skipped.")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("torch_sim") is not None,
     reason="torch_sim is importable here, so the side would start",

@@ -264,6 +264,7 @@ def test_help_is_fast_and_names_units():
     assert "default: 0.05" in relax_help
 
 
+@pytest.mark.slow
 def test_demo_runs_and_writes_plots(tmp_path, capsys):
     out = tmp_path / "demo"
     assert (

@@ -242,6 +242,9 @@ class Recorder:
 """
 
 
+# with the scan's tests on one worker: nvalchemi's names (read from its whole
+# installed source, cached per process) are then read once, not on both workers
+@pytest.mark.xdist_group("tests/test_compat.py")
 def test_attribute_scan_flags_nvalchemi_names_and_spares_the_packages(tmp_path):
     package = tmp_path / "nvalchemi_ase"
     package.mkdir()

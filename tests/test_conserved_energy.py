@@ -48,6 +48,7 @@ def _record(dyn, steps, interval):
     return np.array(conserved), np.array(total)
 
 
+@pytest.mark.slow
 def test_conserved_energy_is_conserved_while_the_thermostat_heats(smooth_lj):
     images = _structures()
     dyn = NoseHooverChainNVT(
@@ -60,6 +61,7 @@ def test_conserved_energy_is_conserved_while_the_thermostat_heats(smooth_lj):
     assert (drift < CONSERVED_FRACTION * excursion).all()
 
 
+@pytest.mark.slow
 def test_it_equals_ases_conserved_energy_of_the_same_start(smooth_lj):
     start = _structures()[0]
     atoms, reference = start.copy(), start.copy()

@@ -73,6 +73,7 @@ def test_langevin_setters_take_effect_at_the_next_step(lj_calc64):
     assert dyn.dt == 1.5 * units.fs
 
 
+@pytest.mark.slow
 def test_langevin_set_temperature_moves_the_bath(lj_calc64):
     images = [thermalize(rattled_bulk(repeat=2, seed=s), T0, seed=s) for s in (5, 6)]
     dyn = Langevin(images, DT, T0, 0.1 / units.fs, seed=3, model=lj_calc64.model)

@@ -280,6 +280,7 @@ def test_refilled_structures_get_each_chain_at_its_own_length(cls, smooth_lj):
     torch.testing.assert_close(fresh.nhc_b_Q[0], dyn.engine._state.nhc_b_Q[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cls", "tchain", "pchain"),
     [
