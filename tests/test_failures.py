@@ -365,3 +365,29 @@ def test_guard_quick_test_answers_as_the_exact_one(fresh_lj):
     assert verdicts("positions", position + step) == (False, True, True)
     step = 1.01 * limits.max_displacement
     assert verdicts("positions", position - step) == (False, False, False)
+
+
+def test_guard_quick_test_catches_infinities_without_a_force_or_step_limit(fresh_lj):
+    """Limits of ``math.inf`` (the optimizers' default ``max_force``) reject ±inf."""
+    images = moving_argon_cells(3)
+    for atoms in images:
+        atoms.calc = fresh_lj
+    assert FIRE(images, logfile=None)._guard.limits.max_force == float("inf")
+    limits = FailureLimits(max_force=float("inf"), max_displacement=float("inf"))
+    opt = FIRE(images, logfile=None, failure_limits=limits)
+    opt.run(fmax=1e-9, steps=2)
+    guard, batch = opt._guard, opt.batch
+    guard.take_snapshot(batch)
+    for key in ("forces", "positions"):
+        for bad in (float("inf"), -float("inf")):
+            target = getattr(batch, key)
+            saved = target.clone()
+            target.view(-1)[0] = bad
+            try:
+                verdicts = (
+                    guard._clearly_within_limits(batch),
+                    guard._within_limits(batch),
+                )
+            finally:
+                target.copy_(saved)
+            assert verdicts == (False, False), (key, bad)

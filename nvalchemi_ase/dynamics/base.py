@@ -968,6 +968,10 @@ class BatchedDynamics(AseBaseDynamics):
         self._synced_nsteps = self.nsteps
         self._absorb_failures()
 
+    #: Whether the run loop reads the failure flags itself right after each
+    #: step (the optimizers' convergence read), so :meth:`_advance` need not.
+    _reads_flags_after_step = False
+
     def _advance(self) -> None:
         """One step (:meth:`step`); ``nsteps`` counts it."""
         self._run_is_stepping = True
@@ -976,7 +980,7 @@ class BatchedDynamics(AseBaseDynamics):
         finally:
             self._run_is_stepping = False
         self.nsteps += 1
-        if self._reads_are_free:
+        if self._reads_are_free and not self._reads_flags_after_step:
             self._absorb_failures()
         if self._bar is not None:
             self._bar.step(self._progress_note())

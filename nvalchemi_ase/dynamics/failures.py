@@ -455,6 +455,8 @@ class FailureGuard:
         list of StructureFailure
             Newly known failures, by index.
         """
+        if self._host_branching and not self._any_failed:
+            return []  # a CPU's checks keep `_any_failed`: nothing is flagged
         failed = self.failed.cpu().numpy() if failed_host is None else failed_host
         fresh = np.flatnonzero(failed & ~self._known)
         if not fresh.size:
@@ -530,11 +532,11 @@ class FailureGuard:
                 ranges.append(_FINITE)
         forces = batch_field(batch, "forces") if "forces" in fields else None
         if forces is not None and forces.numel():
-            bound = self.limits.max_force * _COMPONENT_BOUND
+            bound = _finite_bound(self.limits.max_force)
             values += torch.aminmax(forces)
             ranges += [(-bound, bound)] * 2
         if previous is not None:
-            bound = self.limits.max_displacement * _COMPONENT_BOUND
+            bound = _finite_bound(self.limits.max_displacement)
             values += torch.aminmax(batch.positions - self._carried(batch, previous))
             ranges += [(-bound, bound)] * 2
         if self.variable_cell and "cell" in fields:
@@ -721,6 +723,15 @@ def _without(ctx: Any, failed: torch.Tensor | None) -> Any:
     active = getattr(ctx, "active_graph_mask", None)
     live = ~failed if active is None else active & ~failed
     return dataclasses.replace(ctx, active_graph_mask=live)
+
+
+def _finite_bound(limit: float) -> float:
+    """Largest component the quick test lets pass for a norm ``limit``.
+
+    Finite even for a limit of ``math.inf`` (the optimizers' ``max_force``):
+    ±inf is rejected in every case, as the exact test rejects it.
+    """
+    return min(limit * _COMPONENT_BOUND, sys.float_info.max)
 
 
 def _anything_may_change() -> None:

@@ -75,6 +75,8 @@ class BatchedOptimizer(BatchedDynamics):
     accepts_cell_filters = True
     velocities_are_momenta = False
     resizes_in_place = True
+    # the convergence read after every step takes the failures in
+    _reads_flags_after_step = True
     #: Whether the engine moves ASE's filter coordinates itself (this package's
     #: FIRE, BFGS, MDMin: ASE's path, in the user's frame) rather than
     #: nvalchemi's variable-cell engines (aligned cells, options as hooks).
@@ -591,12 +593,17 @@ class BatchedOptimizer(BatchedDynamics):
     def _update_convergence(self) -> bool:
         """Freeze structures below ``fmax``; one small device-to-host transfer.
 
-        Returns whether every structure is done: converged or failed.
+        Returns whether every structure is done: converged or failed. On a
+        CPU the failures are taken in first, where ``_advance`` takes them in
+        for the other classes (one read of the flags per step, not two).
         """
+        reads_are_free = self._reads_are_free
+        if reads_are_free:
+            self._absorb_failures()
         fmax = self._fmax_per_structure()
         energy = self.batch.energy.detach().reshape(-1)
         failed = self._guard.failed
-        if self._reads_are_free:  # the tensors' own memory: no stacking
+        if reads_are_free:  # the tensors' own memory: no stacking
             self._fmax_host = fmax.numpy().astype(np.float64)
             self._energy_host = energy.numpy().astype(np.float64)
             failed_host = failed.numpy().copy()
@@ -611,7 +618,8 @@ class BatchedOptimizer(BatchedDynamics):
             self._publish_status(done_host)
         newly = self._converged_host & (self._converged_at < 0)
         self._converged_at[newly] = self.nsteps
-        self._absorb_failures(failed_host)
+        if not reads_are_free:
+            self._absorb_failures(failed_host)
         if self._bar is not None:
             failures = int(failed_host.sum())
             self._bar.note(
