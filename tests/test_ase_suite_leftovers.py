@@ -392,6 +392,7 @@ FIRE2_OPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell_filter", [None, "FrechetCellFilter"])
 def test_abc_fire2_follows_ases_step_for_step(lj_calc64, cell_filter):
     """ase/test/optimize/test_fire2.py, ``use_abc=True``, restarts included."""

@@ -39,6 +39,7 @@ def mixed_argon(count: int) -> list[Atoms]:
     return images
 
 
+@pytest.mark.slow
 def test_relax_round_trip_keeps_input_order_and_results(tmp_path, capsys):
     inputs = mixed_argon(50)
     write(tmp_path / "in.extxyz", inputs)
