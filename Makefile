@@ -3,7 +3,7 @@
 #   make test   same .venv, install the test extras, mypy, the whole test suite
 #               (the suite runs ruff itself: tests/test_package.py), in parallel
 #               on every core (pytest-xdist; TEST_WORKERS=0 for one process)
-#   make test-fast   the suite without tests marked slow (2 min 16 s on 2 idle cores), for iterating
+#   make test-fast   the suite without tests marked slow (about 2 min on 2 idle cores), for iterating
 #   make notebooks   regenerate tutorials/*.ipynb from tutorials/*.py
 # pip (not uv): pip takes the torch builds cached on this machine.
 
