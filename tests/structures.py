@@ -145,3 +145,28 @@ def mixed(count: int, seed: int = 0, largest: int = 100) -> list[Atoms]:
     rng = np.random.default_rng(seed)
     makers = (_bulk, _molecule, _bulk, _slab)
     return [makers[index % len(makers)](rng, largest) for index in range(count)]
+
+
+def carried_fields_images() -> list[Atoms]:
+    """Every carried field, on bulk, slab, molecule, 1-atom and left-handed cells.
+
+    Different sizes; momenta, isotope masses, ``FixAtoms``, tags, initial
+    charges, ``info["charge"]`` and ``info["spin"]``.
+    """
+    from ase.build import molecule
+    from ase.constraints import FixAtoms
+
+    crystal = thermalize(rattled_bulk(repeat=2), 50.0, seed=1)
+    masses = crystal.get_masses()
+    masses[::3] = 36.0  # an isotope
+    crystal.set_masses(masses)
+    crystal.set_constraint(FixAtoms(indices=[0, 5]))
+    crystal.info["charge"] = -1
+    surface = slab()
+    surface.set_tags(np.arange(len(surface)) % 3)
+    surface.set_initial_charges(np.linspace(-0.5, 0.5, len(surface)))
+    mol = molecule("CH3CH2OH")
+    mol.info["spin"] = 2
+    mol.info["charge"] = 1
+    thermalize(mol, 300.0, seed=2)
+    return [crystal, surface, mol, CATALOGUE["one_atom"](), CATALOGUE["left_handed"]()]

@@ -23,31 +23,18 @@ from nvalchemi_ase.convert import (
     update_atoms,
 )
 from tests.helpers import assert_same_snapshot, snapshot
-from tests.structures import CATALOGUE, cluster, rattled_bulk, slab, thermalize
-
-
-def mixed_images() -> list[Atoms]:
-    """Every carried field, on bulk, slab, molecule, 1-atom and left-handed cells."""
-    crystal = thermalize(rattled_bulk(repeat=2), 50.0, seed=1)
-    masses = crystal.get_masses()
-    masses[::3] = 36.0  # an isotope
-    crystal.set_masses(masses)
-    crystal.set_constraint(FixAtoms(indices=[0, 5]))
-    crystal.info["charge"] = -1
-    surface = slab()
-    surface.set_tags(np.arange(len(surface)) % 3)
-    surface.set_initial_charges(np.linspace(-0.5, 0.5, len(surface)))
-    mol = molecule("CH3CH2OH")
-    mol.info["spin"] = 2
-    mol.info["charge"] = 1
-    thermalize(mol, 300.0, seed=2)
-    single = CATALOGUE["one_atom"]()
-    lefty = CATALOGUE["left_handed"]()
-    return [crystal, surface, mol, single, lefty]
+from tests.structures import (
+    CATALOGUE,
+    carried_fields_images,
+    cluster,
+    rattled_bulk,
+    slab,
+    thermalize,
+)
 
 
 def test_round_trip_keeps_every_carried_field():
-    images = mixed_images()
+    images = carried_fields_images()
     back = batch_to_atoms(atoms_to_batch(images, device="cpu"))
     assert len(back) == len(images)
     for original, restored in zip(images, back, strict=True):
@@ -77,7 +64,7 @@ def test_round_trip_keeps_every_carried_field():
 
 
 def test_conversion_does_not_modify_inputs():
-    images = mixed_images()
+    images = carried_fields_images()
     before = [snapshot(atoms) for atoms in images]
     atoms_to_batch(images, device="cpu")
     for snap, atoms in zip(before, images, strict=True):

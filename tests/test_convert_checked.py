@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 from ase import Atoms
-from ase.build import bulk, molecule
-from ase.constraints import FixAtoms
+from ase.build import bulk
 
 from nvalchemi_ase import NVAlchemiCalculator
 from nvalchemi_ase.convert import (
@@ -23,29 +22,12 @@ from nvalchemi_ase.convert import (
     update_atoms,
 )
 from nvalchemi_ase.runners._common import Admission
-from tests.structures import A_AR, cluster, left_handed, rattled_bulk, slab, thermalize
+from tests.structures import A_AR, carried_fields_images, cluster
 
 
 @pytest.fixture(scope="module")
 def model():
     return NVAlchemiCalculator("lj", device="cpu", dtype="float64").model
-
-
-def _carried_fields() -> list[Atoms]:
-    """Different sizes and every optional field: momenta, masses, tags, charges."""
-    crystal = thermalize(rattled_bulk(repeat=2), 50.0, seed=1)
-    masses = crystal.get_masses()
-    masses[::3] = 36.0  # an isotope
-    crystal.set_masses(masses)
-    crystal.set_constraint(FixAtoms(indices=[0, 5]))
-    crystal.info["charge"] = -1
-    surface = slab()
-    surface.set_tags(np.arange(len(surface)) % 3)
-    surface.set_initial_charges(np.linspace(-0.5, 0.5, len(surface)))
-    mol = molecule("CH3CH2OH")
-    mol.info["spin"] = 2
-    thermalize(mol, 300.0, seed=2)
-    return [crystal, surface, mol, cluster(), left_handed()]
 
 
 def _assert_same_batch(ours, reference) -> None:
@@ -63,7 +45,7 @@ def _assert_same_batch(ours, reference) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_batch_from_checked_is_atoms_to_batch_bit_for_bit(model, dtype):
-    images = _carried_fields()
+    images = [*carried_fields_images(), cluster()]  # 1-55 atoms, every field
     checked = check_images(images, model=model, skin=1.0)
     ours = batch_from_checked(checked, device="cpu", dtype=dtype)
     reference = atoms_to_batch(images, device="cpu", dtype=dtype, warn_dropped=False)
