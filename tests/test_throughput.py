@@ -25,9 +25,14 @@ COMPUTE_BOUND = (0.01, 1e-4, 0.0)
 class FakeClock:
     """Seconds that advance only when the wrapped calculator evaluates a batch."""
 
-    def __init__(self, coefficients: tuple[float, float, float]) -> None:
+    def __init__(
+        self,
+        coefficients: tuple[float, float, float],
+        spikes: dict[int, float] | None = None,
+    ) -> None:
         self.now = 0.0
         self.coefficients = coefficients
+        self.spikes = spikes or {}  # call number (from 0) -> extra s: a load spike
         self.calls: list[int] = []
 
     def __call__(self) -> float:
@@ -36,6 +41,7 @@ class FakeClock:
     def charge(self, natoms: int) -> None:
         fixed, linear, quadratic = self.coefficients
         self.now += fixed + linear * natoms + quadratic * natoms**2
+        self.now += self.spikes.get(len(self.calls), 0.0)
         self.calls.append(natoms)
 
 
@@ -109,6 +115,22 @@ def test_probe_leaves_a_compute_bound_model_to_the_memory_budget(lj_calc, monkey
     assert profile.atoms[-1] <= 600 < 2 * profile.atoms[-1]  # stopped at the limit
     assert not profile.saturated
     assert profile.cap_atoms() is None
+
+
+def test_one_slowed_size_does_not_cap_a_compute_bound_model(lj_calc, monkeypatch):
+    # call 0 warms up; calls 1-2 time 1 copy, 3-4 two, 5-6 four, 7-8 eight:
+    # both timings of eight copies hit by load, as on a shared machine
+    clock = FakeClock(COMPUTE_BOUND, spikes={7: 1.0, 8: 1.0})
+    _clocked(lj_calc, clock, monkeypatch)
+    sample = _argon()
+    profile = throughput.probe_throughput(lj_calc, sample, max_atoms=600, clock=clock)
+
+    assert not profile.saturated  # the spike did not count: eight copies timed again
+    assert profile.cap_atoms() is None
+    assert list(profile.rates) == sorted(profile.rates)
+    assert profile.atoms[-1] <= 600 < 2 * profile.atoms[-1]
+    # the best and the slowed size were timed once more, nothing else
+    assert clock.calls[9:13] == [4 * len(sample)] * 2 + [8 * len(sample)] * 2
 
 
 def test_probe_stops_when_its_time_is_spent(lj_calc, monkeypatch):
