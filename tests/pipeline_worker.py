@@ -12,6 +12,8 @@ With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
 at :data:`KICK` momentum, which moves it further than the failure guard allows
 in its first MD step; the failures go to the npz file too. With ``md=NAME``
 the MD stage is :func:`integrator`'s ``NAME`` instead of velocity Verlet.
+With ``own`` the optimizer writes its own trajectories and log too
+(``FOLDER/relax_{i}.traj``, appended to, and ``FOLDER/relax.log``).
 
 Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
 (``interval=K``: ``restart_interval=K``), ``steps=N`` runs ``run(N)`` instead
@@ -124,9 +126,16 @@ def build(arguments, **changes):
     kicked = None
     stage = "VelocityVerlet"
     steps, die = 1000, None
+    own: dict = {}
     for option in arguments[3:]:
         name, _, value = option.partition("=")
-        if name == "kick":
+        if name == "own":
+            own = {
+                "trajectory": str(folder / "relax_{i}.traj"),
+                "append_trajectory": True,
+                "logfile": str(folder / "relax.log"),
+            }
+        elif name == "kick":
             kicked = int(value)
         elif name == "md":
             stage = value
@@ -150,7 +159,8 @@ def build(arguments, **changes):
         momenta = structures[kicked].get_momenta()
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
-    relax, dynamics = optimizer(structures, logfile=None), integrator(stage, structures)
+    relax = optimizer(structures, **({"logfile": None} | own))
+    dynamics = integrator(stage, structures)
     pipeline = relax.pipe(dynamics, **(PIPE | files | changes))
     if die is not None:
         for part in (relax, dynamics):

@@ -95,7 +95,15 @@ neighbour lists, seed and step count: the noise of a seeded stochastic
 thermostat goes on as it would have), gives back the final states of the
 structures that left MD, cuts the hidden frame files and logs back to the
 checkpoint (a killed run may have written more) and appends to them; a
-failed structure stays failed. A run stopped by ``run(steps)`` or killed and
+failed structure stays failed. The optimizer's own trajectories
+(``trajectory=`` given to the optimizer, written on rank 0 as the
+single-process optimizer writes them) and its log continue the same way:
+rank 0's file counts their frames (and the log's size), and a continued
+run cuts them back to that before appending. The optimizer must then be created with
+``append_trajectory=True`` and paths (refused otherwise, on the first run
+already): the script that continues creates it again, and without that it
+would remove its files, with the frames written before the checkpoint, as
+it is created (as ASE's does). A run stopped by ``run(steps)`` or killed and
 continued this way ends with every rank's ``Atoms``, trajectories and logs
 as the uninterrupted run's (``tests/test_pipeline.py``: bit for bit in
 float64). With ``restart=`` the hidden frame files of an unfinished run stay
@@ -134,6 +142,7 @@ from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.pipeline.restart import (
     FRAMES_TAG,
     LOG_TAG,
+    OPTIMIZER_FRAMES_TAG,
     PipelineCheckpoints,
     RankState,
     job_identity,
@@ -161,7 +170,9 @@ class RelaxThenMDPipeline:
     ----------
     optimizer : OptimizerPart
         Relaxes the structures on rank 0 (must not have run); its own
-        observers, log and trajectories run there.
+        observers, log and trajectories run there (with ``restart=``, its
+        trajectories must be paths it appends to, ``append_trajectory=True``:
+        a continued run keeps their frames up to the checkpoint).
     md : MDPart
         Runs MD on the same ``Atoms`` objects on rank 1 (same model; must not
         have run; resizable in place, ``md.resizable()``; no trajectory of its
@@ -255,10 +266,7 @@ class RelaxThenMDPipeline:
                 "(optimizer.pipe(md, restart=PATH))"
             )
         if restart is not None and optimizer.trajectories:
-            raise ValueError(
-                "optimizer | md with restart= continues the trajectories it writes "
-                "itself: give trajectory= to the pipeline, not to the optimizer"
-            )
+            _check_continuable(type(optimizer).__name__, optimizer.trajectories)
         if md.trajectories:
             raise ValueError(
                 "optimizer | md writes each structure's frames into trajectory= of "
@@ -627,6 +635,12 @@ class _Relaxation:
         self.reported = np.zeros(count, dtype=bool)  # failures already reported
         self._first: Iterator[bool] | None = None
         self._run: Iterator[bool] | None = None
+        #: The optimizer's own trajectories when they are checkpointed
+        #: (restart=): frames in its files when this run started, and what its
+        #: writer had written by then.
+        own = self.optimizer.trajectories
+        self._own = own if pipeline.restart is not None and own else None
+        self._own_start = (np.zeros(count, np.int64), np.zeros(count, np.int64))
         if frames is not None:
             self.optimizer.attach(
                 _Frames(frames, pipeline.images, self._frame_due),
@@ -647,6 +661,8 @@ class _Relaxation:
         first step is an ``irun`` with ``fmax=0``, the rest one ``irun`` with
         ``fmax``, whose start checks the state after step 1.
         """
+        if self._own is not None:  # frames an appending optimizer found
+            self._own_start = (self._own.frame_counts(), self._own.written.copy())
         self._first = self.optimizer.irun(fmax=0.0, steps=1, sync_atoms=False)
         next(self._first)
         return self._report()
@@ -658,6 +674,11 @@ class _Relaxation:
         checkpoint's state again: the structures it finds converged were
         handed over before the checkpoint (``sent``), so nothing is sent.
         """
+        if self._own is not None:
+            # frames a killed run wrote after the checkpoint would repeat
+            counts = saved.tags[OPTIMIZER_FRAMES_TAG].astype(np.int64)
+            self._own.truncate(counts)
+            self._own_start = (counts, self._own.written.copy())
         restartable(self.optimizer).continue_from(saved.path)
         self.sent = saved.tags["sent"].astype(bool)
         self.reported = saved.tags["reported"].astype(bool)
@@ -678,6 +699,10 @@ class _Relaxation:
             "reported": self.reported.copy(),
             **tags,
         }
+        if self._own is not None:
+            frames, written = self._own_start
+            counts = frames + self._own.written - written
+            part.checkpoint_tags[OPTIMIZER_FRAMES_TAG] = counts
         part.write_checkpoint(path)
 
     def advance(self) -> dict[str, Any]:
@@ -945,6 +970,32 @@ def _close(run: Iterator[bool]) -> None:
 
 def _nothing() -> dict[str, Any]:
     return {"arrivals": [], "failures": [], "finished": [], "nsteps": 0}
+
+
+def _check_continuable(name: str, trajectories: TrajectorySet) -> None:
+    """Refuse optimizer trajectories a continued pipeline could not continue.
+
+    Checked on every run with ``restart=``, the first included: the
+    optimizer of the run that continues is created by the same script, and
+    without ``append_trajectory=True`` it removes its files as it is
+    created (as ASE's does), before the pipeline could keep their frames.
+    """
+    if any(path is None for path in trajectories.paths):
+        raise ValueError(
+            f"optimizer | md with restart= continues the {name}'s trajectories "
+            "by path (cut back to the checkpoint's frames when a run continues), "
+            "and it was given an open Trajectory; give it paths (a template "
+            "with {i} or one path per structure)"
+        )
+    if not trajectories.append:
+        raise ValueError(
+            f"optimizer | md with restart= continues the {name}'s trajectories, "
+            f"and the {name} was created without append_trajectory=True: when "
+            "the script runs again to continue, it would remove the frames "
+            "written before the checkpoint as it is created; create it with "
+            "append_trajectory=True (a new job then appends to files already "
+            "there, as ASE does: remove them first)"
+        )
 
 
 def _check_no_constraints(images: list[Any]) -> None:
