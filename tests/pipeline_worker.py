@@ -19,7 +19,8 @@ Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
 (``interval=K``: ``restart_interval=K``), ``steps=N`` runs ``run(N)`` instead
 of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
 itself) when they have taken step ``N``, before its frames (a kill between
-checkpoints).
+checkpoints). With ``again`` the job calls ``run`` a second time and keeps
+what it raised (``again`` in the npz file; "" if nothing).
 
 Several jobs in one launch: their argument lists joined by ``+``
 (``FIRE2 1,0,2 A 1 + FIRE 1,0,2 B 3 + ...``) run one after another, each
@@ -147,6 +148,8 @@ def build(arguments, **changes):
             steps = int(value)
         elif name == "die":
             die = int(value)
+        elif name == "again":
+            pass  # run_job's
         else:
             files |= {
                 "trajectory": str(folder / "pipe_{i}.traj"),
@@ -203,6 +206,13 @@ def run_job(arguments: list[str]) -> None:
     structures, pipeline, steps = build(arguments)
     folder = Path(arguments[2])
     done = pipeline.run(steps)
+    again = {}
+    if "again" in arguments:
+        try:
+            pipeline.run(steps)
+            again["again"] = ""
+        except RuntimeError as error:
+            again["again"] = str(error)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
     failures = np.array(
@@ -215,6 +225,7 @@ def run_job(arguments: list[str]) -> None:
         nsteps=pipeline.nsteps,
         failures=failures,
         reasons=reasons,
+        **again,
         **result,
     )
 

@@ -132,12 +132,13 @@ FIRST_LAUNCH = {
     "blow-up": ("FIRE2", [0, 1, 2], None, ("kick=1",)),
     "uninterrupted": ("FIRE", ORDER, RESUMED_LOGINTERVAL, RESUMED),
     # stopped by run(7), checkpoints every 3 steps (the MD batch is empty then:
-    # the kicked structure failed at step 2, the next arrives at step 30)
+    # the kicked structure failed at step 2, the next arrives at step 30);
+    # then run() again, refused
     "stopped": (
         "FIRE",
         ORDER,
         RESUMED_LOGINTERVAL,
-        (*RESUMED, "restart=ckpt.npz", "interval=3", "steps=7"),
+        (*RESUMED, "restart=ckpt.npz", "interval=3", "steps=7", "again"),
     ),
     "killed": (
         "FIRE",
@@ -523,6 +524,8 @@ def test_a_stopped_run_continued_ends_as_the_uninterrupted_run(
         assert not bool(rank["done"])
         assert int(rank["nsteps"]) == 7
         assert rank["failures"].tolist() == [[1, 2]]
+        # run() again in the same process would start the stages over
+        assert "runs once per pipeline object" in str(rank["again"])
     assert continued["stopped_step"] == 7
     folder, ranks = continued["moved"]
     for rank in ranks:

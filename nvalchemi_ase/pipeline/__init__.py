@@ -325,6 +325,7 @@ class RelaxThenMDPipeline:
         #: Continued from a checkpoint (``restart=`` named an existing one).
         self.continued = manifest is not None
         self._resume_pending = self.continued  # the next run() takes the files
+        self._ran = False
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -342,9 +343,11 @@ class RelaxThenMDPipeline:
     def run(self, steps: int = 100_000_000) -> bool:
         """Relax on rank 0 and run MD on rank 1 until every structure finished.
 
-        Call it on both ranks (collective). A process group that is not
-        initialised yet is started from torchrun's environment (gloo on a CPU,
-        NCCL on CUDA) and destroyed at the end.
+        Call it on both ranks (collective), once per pipeline object: to go
+        on after ``run(steps)`` stopped, give the pipeline ``restart=`` and
+        launch the script again. A process group that is not initialised
+        yet is started from torchrun's environment (gloo on a CPU, NCCL on
+        CUDA) and destroyed at the end.
 
         Parameters
         ----------
@@ -362,10 +365,20 @@ class RelaxThenMDPipeline:
         Raises
         ------
         RuntimeError
-            Outside a two-rank torch.distributed launch.
+            Outside a two-rank torch.distributed launch, or called again.
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if self._ran:
+            # each rank's stage lives in one run(): a second would start it
+            # over (structures handed to MD again, MD progress lost)
+            raise RuntimeError(
+                "optimizer | md runs once per pipeline object, and this one has "
+                "run; to go on after run(steps) stopped it, give the pipeline "
+                "restart=PATH and launch the script again (it continues from "
+                "the checkpoint written when run() ended)"
+            )
+        self._ran = True
         import torch.distributed as dist
 
         limit = self.nsteps + steps
