@@ -20,7 +20,8 @@ Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
 of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
 itself) when they have taken step ``N``, before its frames (a kill between
 checkpoints). With ``again`` the job calls ``run`` a second time and keeps
-what it raised (``again`` in the npz file; "" if nothing).
+what it raised (``again`` in the npz file; "" if nothing). The npz file
+also holds the structure-failure warnings the rank saw (``warned``).
 
 Several jobs in one launch: their argument lists joined by ``+``
 (``FIRE2 1,0,2 A 1 + FIRE 1,0,2 B 3 + ...``) run one after another, each
@@ -203,9 +204,18 @@ def main() -> None:
 
 def run_job(arguments: list[str]) -> None:
     """Run one job and write this rank's ``Atoms`` to ``FOLDER/rank{R}.npz``."""
+    import warnings
+
+    from nvalchemi_ase.dynamics.failures import StructureFailedWarning
+
     structures, pipeline, steps = build(arguments)
     folder = Path(arguments[2])
-    done = pipeline.run(steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StructureFailedWarning)
+        done = pipeline.run(steps)
+    warned = [
+        str(w.message) for w in caught if issubclass(w.category, StructureFailedWarning)
+    ]
     again = {}
     if "again" in arguments:
         try:
@@ -225,6 +235,7 @@ def run_job(arguments: list[str]) -> None:
         nsteps=pipeline.nsteps,
         failures=failures,
         reasons=reasons,
+        warned=np.array(warned, dtype=str),
         **again,
         **result,
     )

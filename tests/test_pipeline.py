@@ -295,6 +295,14 @@ def test_a_structure_that_blows_up_in_md_costs_that_structure_only(first_launch)
                 )
         # the failed structure keeps its last good state: where it was handed over
         assert np.isfinite(mine[1]["positions"]).all()
+    # one warning, by input index (the MD batch's own warning, naming its
+    # row, is silenced), on the rank whose part failed
+    warned = [rank["warned"].tolist() for rank in got]
+    assert warned[0] == []
+    assert len(warned[1]) == 1
+    assert warned[1][0].startswith(
+        f"optimizer | md, VelocityVerlet on rank 1: images[1] failed at step {step}:"
+    ), warned[1]
 
 
 # -- one process -------------------------------------------------------------

@@ -21,7 +21,8 @@ state, neighbour lists and failure flags of the others carried; the resized
 batch is evaluated once). So both stages have what the single-process classes
 have: failure isolation (a structure that fails on either rank stops, is
 reported in :attr:`RelaxThenMDPipeline.failures` by input index, step and
-reason, and the others go on), their observers and stress on the steps where a
+reason, and warned of by input index on the rank whose part failed, and the
+others go on), their observers and stress on the steps where a
 frame is written. The MD class must resize in place (``md.resizable()``:
 ``VelocityVerlet`` and the NVT thermostats ``Langevin``, ``Bussi``,
 ``NVTBerendsen``, ``NoseHooverChainNVT``, ``Andersen``, without a schedule):
@@ -118,6 +119,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,7 +138,11 @@ from nvalchemi_ase.compose import (
 )
 from nvalchemi_ase.devices import GROUP_TIMEOUT
 from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL, Checkpoint
-from nvalchemi_ase.dynamics.failures import StructureFailure
+from nvalchemi_ase.dynamics.failures import (
+    StructureFailedWarning,
+    StructureFailure,
+    warn_failures,
+)
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.pipeline.restart import (
@@ -397,7 +403,8 @@ class RelaxThenMDPipeline:
             log = self._open_log(rank, saved)
             done = False
             try:
-                report = stage.start() if saved is None else stage.resume(saved)
+                with stage.quiet():
+                    report = stage.start() if saved is None else stage.resume(saved)
                 for _ in range(steps + 1):
                     self._exchange(report, stage, group)
                     done = bool((self.stage >= FINISHED).all())
@@ -408,12 +415,14 @@ class RelaxThenMDPipeline:
                         )
                     if ending:
                         break
-                    report = stage.advance()
+                    with stage.quiet():
+                        report = stage.advance()
                     self.nsteps += 1
                     if log is not None and self.nsteps % self.loginterval == 0:
                         log.write(stage.log_line())
             finally:
-                stage.close()
+                with stage.quiet():
+                    stage.close()
                 if frames is not None:
                     frames.close()
             gathered: list[Any] = [None] * dist.get_world_size()
@@ -439,6 +448,12 @@ class RelaxThenMDPipeline:
             for index, step, reason in part["failures"]:
                 self.failures.append(StructureFailure(index, step, reason))
                 self.stage[index] = FINISHED
+        if isinstance(stage, _Dynamics) and integrated["failures"]:
+            # the MD object's own warnings name rows of its batch (silenced)
+            warn_failures(
+                [StructureFailure(*failure) for failure in integrated["failures"]],
+                f"optimizer | md, {type(self.md).__name__} on rank {MD_RANK}",
+            )
         for index, step, *_ in relaxed["arrivals"]:
             self.stage[index] = RUNNING_MD
             self.relax_steps[index] = step
@@ -446,7 +461,8 @@ class RelaxThenMDPipeline:
         running = self.stage == RELAXING
         self.relax_steps[running] = relaxed["nsteps"]
         if isinstance(stage, _Dynamics):
-            stage.admit(relaxed["arrivals"], self.nsteps)
+            with stage.quiet():
+                stage.admit(relaxed["arrivals"], self.nsteps)
 
     def write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
         """Write the other rank's final states into this rank's ``Atoms``."""
@@ -660,6 +676,10 @@ class _Relaxation:
                 interval=pipeline.loginterval,
             )
 
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """Return no filter: the optimizer's ``images`` are the inputs, in order."""
+        return contextlib.nullcontext()
+
     def _frame_due(self) -> npt.NDArray[np.bool_]:
         converged_at = self.optimizer.converged_at_step
         step = self.optimizer.nsteps
@@ -814,6 +834,19 @@ class _Dynamics:
                 _Frames(frames, pipeline.images, self._frame_due),
                 interval=pipeline.loginterval,
             )
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Silence the MD object's failure warnings while it is driven.
+
+        They name rows of its batch (``images[0]`` is the first structure
+        admitted), not input structures; the pipeline warns of each MD
+        failure by input index as it is reported
+        (:meth:`RelaxThenMDPipeline._exchange`).
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StructureFailedWarning)
+            yield
 
     def _md_steps(self) -> npt.NDArray[np.int64]:
         """MD steps each structure took, input order (0: not in MD)."""
