@@ -100,15 +100,16 @@ failed structure stays failed. The optimizer's own trajectories
 (``trajectory=`` given to the optimizer, written on rank 0 as the
 single-process optimizer writes them) and its log continue the same way:
 rank 0's file counts their frames (and the log's size), and a continued
-run cuts them back to that before appending. The optimizer must then be created with
-``append_trajectory=True`` and paths (refused otherwise, on the first run
-already): the script that continues creates it again, and without that it
-would remove its files, with the frames written before the checkpoint, as
-it is created (as ASE's does). A run stopped by ``run(steps)`` or killed and
-continued this way ends with every rank's ``Atoms``, trajectories and logs
-as the uninterrupted run's (``tests/test_pipeline.py``: bit for bit in
-float64). With ``restart=`` the hidden frame files of an unfinished run stay
-beside the trajectories; a finished job launched again changes no file.
+run cuts them back to that before appending. The optimizer must then be
+created with ``append_trajectory=True`` and paths (refused otherwise, on
+the first run already): the script that continues creates it again, and
+without that it would remove its files, with the frames written before the
+checkpoint, as it is created (as ASE's does). A run stopped by
+``run(steps)`` or killed and continued this way ends with every rank's
+``Atoms``, trajectories and logs as the uninterrupted run's
+(``tests/test_pipeline.py``: bit for bit in float64). With ``restart=`` the
+hidden frame files of an unfinished run stay beside the trajectories; a
+finished job launched again changes no file.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
