@@ -12,12 +12,16 @@ With ``kick=I`` structure ``I`` (position in ``ORDER``) enters MD with one atom
 at :data:`KICK` momentum, which moves it further than the failure guard allows
 in its first MD step; the failures go to the npz file too. With ``md=NAME``
 the MD stage is :func:`integrator`'s ``NAME`` instead of velocity Verlet.
+With ``own`` the optimizer writes its own trajectories and log too
+(``FOLDER/relax_{i}.traj``, appended to, and ``FOLDER/relax.log``).
 
 Checkpoints: ``restart=NAME`` gives the pipeline ``restart=FOLDER/NAME``
 (``interval=K``: ``restart_interval=K``), ``steps=N`` runs ``run(N)`` instead
 of ``run(1000)`` (a stop), and ``die=N`` kills both ranks (``SIGKILL``, each
 itself) when they have taken step ``N``, before its frames (a kill between
-checkpoints).
+checkpoints). With ``again`` the job calls ``run`` a second time and keeps
+what it raised (``again`` in the npz file; "" if nothing). The npz file
+also holds the structure-failure warnings the rank saw (``warned``).
 
 Several jobs in one launch: their argument lists joined by ``+``
 (``FIRE2 1,0,2 A 1 + FIRE 1,0,2 B 3 + ...``) run one after another, each
@@ -124,9 +128,16 @@ def build(arguments, **changes):
     kicked = None
     stage = "VelocityVerlet"
     steps, die = 1000, None
+    own: dict = {}
     for option in arguments[3:]:
         name, _, value = option.partition("=")
-        if name == "kick":
+        if name == "own":
+            own = {
+                "trajectory": str(folder / "relax_{i}.traj"),
+                "append_trajectory": True,
+                "logfile": str(folder / "relax.log"),
+            }
+        elif name == "kick":
             kicked = int(value)
         elif name == "md":
             stage = value
@@ -138,6 +149,8 @@ def build(arguments, **changes):
             steps = int(value)
         elif name == "die":
             die = int(value)
+        elif name == "again":
+            pass  # run_job's
         else:
             files |= {
                 "trajectory": str(folder / "pipe_{i}.traj"),
@@ -150,7 +163,8 @@ def build(arguments, **changes):
         momenta = structures[kicked].get_momenta()
         momenta[0] = [KICK, 0.0, 0.0]
         structures[kicked].set_momenta(momenta)
-    relax, dynamics = optimizer(structures, logfile=None), integrator(stage, structures)
+    relax = optimizer(structures, **({"logfile": None} | own))
+    dynamics = integrator(stage, structures)
     pipeline = relax.pipe(dynamics, **(PIPE | files | changes))
     if die is not None:
         for part in (relax, dynamics):
@@ -190,9 +204,25 @@ def main() -> None:
 
 def run_job(arguments: list[str]) -> None:
     """Run one job and write this rank's ``Atoms`` to ``FOLDER/rank{R}.npz``."""
+    import warnings
+
+    from nvalchemi_ase.dynamics.failures import StructureFailedWarning
+
     structures, pipeline, steps = build(arguments)
     folder = Path(arguments[2])
-    done = pipeline.run(steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StructureFailedWarning)
+        done = pipeline.run(steps)
+    warned = [
+        str(w.message) for w in caught if issubclass(w.category, StructureFailedWarning)
+    ]
+    again = {}
+    if "again" in arguments:
+        try:
+            pipeline.run(steps)
+            again["again"] = ""
+        except RuntimeError as error:
+            again["again"] = str(error)
     rank = os.environ.get("RANK", "0")
     result = state(structures, pipeline.stage, pipeline.relax_steps)
     failures = np.array(
@@ -205,6 +235,8 @@ def run_job(arguments: list[str]) -> None:
         nsteps=pipeline.nsteps,
         failures=failures,
         reasons=reasons,
+        warned=np.array(warned, dtype=str),
+        **again,
         **result,
     )
 

@@ -8,6 +8,7 @@ starts them (:func:`tests.helpers.torchrun`).
 
 from __future__ import annotations
 
+import re
 import shutil
 from typing import Any
 
@@ -118,7 +119,8 @@ def _assert_same(got: dict, expected: dict) -> None:
 # noise on (seeded), frames and log lines every 2 steps, and the structure at
 # position 1 kicked: it relaxes in one step and fails at its first MD step
 # (step 2). The others reach MD at steps 30 and 39 and finish at step 54.
-RESUMED = ("kick=1", "md=SeededLangevin")
+# FIRE writes its own trajectories (appended to) and log as well.
+RESUMED = ("kick=1", "md=SeededLangevin", "own")
 RESUMED_LOGINTERVAL = 2
 #: The first launch's jobs: name -> (optimizer, order, loginterval, options).
 #: ``killed`` dies (SIGKILL at step 35, checkpoints every 4 steps): it is last.
@@ -130,12 +132,13 @@ FIRST_LAUNCH = {
     "blow-up": ("FIRE2", [0, 1, 2], None, ("kick=1",)),
     "uninterrupted": ("FIRE", ORDER, RESUMED_LOGINTERVAL, RESUMED),
     # stopped by run(7), checkpoints every 3 steps (the MD batch is empty then:
-    # the kicked structure failed at step 2, the next arrives at step 30)
+    # the kicked structure failed at step 2, the next arrives at step 30);
+    # then run() again, refused
     "stopped": (
         "FIRE",
         ORDER,
         RESUMED_LOGINTERVAL,
-        (*RESUMED, "restart=ckpt.npz", "interval=3", "steps=7"),
+        (*RESUMED, "restart=ckpt.npz", "interval=3", "steps=7", "again"),
     ),
     "killed": (
         "FIRE",
@@ -292,6 +295,14 @@ def test_a_structure_that_blows_up_in_md_costs_that_structure_only(first_launch)
                 )
         # the failed structure keeps its last good state: where it was handed over
         assert np.isfinite(mine[1]["positions"]).all()
+    # one warning, by input index (the MD batch's own warning, naming its
+    # row, is silenced), on the rank whose part failed
+    warned = [rank["warned"].tolist() for rank in got]
+    assert warned[0] == []
+    assert len(warned[1]) == 1
+    assert warned[1][0].startswith(
+        f"optimizer | md, VelocityVerlet on rank 1: images[1] failed at step {step}:"
+    ), warned[1]
 
 
 # -- one process -------------------------------------------------------------
@@ -403,11 +414,19 @@ def continued(first_launch, stopped, tmp_path_factory) -> dict:
     moved = tmp_path_factory.mktemp("continued") / "moved"
     shutil.copytree(stopped[0], moved)  # a run's folder may move between launches
     killed = folders["killed"]
+    manifest = read_checkpoint(killed / "ckpt.npz")
+    rank0 = read_checkpoint(killed / manifest.meta["rank_files"][0])
     before = {
         "first_error": first_error,
         "stopped_step": read_checkpoint(moved / "ckpt.npz").meta["nsteps"],
-        "killed_step": read_checkpoint(killed / "ckpt.npz").meta["nsteps"],
+        "killed_step": manifest.meta["nsteps"],
         "killed_logged": len((killed / "pipe.log").read_text().splitlines()),
+        # the optimizer's own frames: in its files, and counted by the checkpoint
+        "killed_relax_frames": [
+            len(read(killed / f"relax_{index}.traj", ":"))
+            for index in range(len(ORDER))
+        ],
+        "killed_relax_counted": rank0.group("extra/tag")["optimizer_frames"].tolist(),
     }
     # as if rank 0 had written its next file and was killed before the
     # manifest named it: never read, removed
@@ -438,6 +457,37 @@ def launched_again(continued) -> dict:
     return {"written": written, "ranks": _ranks(folder, error)}
 
 
+def _assert_same_frames_resumed(mine: list, theirs: list, what: str) -> None:
+    """Frame by frame as the uninterrupted run's: count, energy, positions,
+    momenta, forces and stress."""
+    assert len(mine) == len(theirs), what
+    for number, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        where = f"{what}, frame {number}"
+        assert a.get_potential_energy() == pytest.approx(
+            b.get_potential_energy(), abs=RESUME_ENERGY_ATOL
+        ), where
+        for key, atol in RESUME_ATOL.items():
+            np.testing.assert_allclose(
+                getattr(a, f"get_{key}")(),
+                getattr(b, f"get_{key}")(),
+                atol=atol,
+                err_msg=f"{where}: {key}",
+            )
+        assert ("stress" in a.calc.results) == ("stress" in b.calc.results), where
+        if "stress" in b.calc.results:
+            np.testing.assert_allclose(
+                a.get_stress(), b.get_stress(), atol=RESUME_STRESS_ATOL, err_msg=where
+            )
+
+
+def _clock_masked(path) -> list[str]:
+    """The lines of an ASE optimizer log with their ``HH:MM:SS`` masked."""
+    return [
+        re.sub(r"\b\d\d:\d\d:\d\d\b", "hh:mm:ss", line)
+        for line in path.read_text().splitlines()
+    ]
+
+
 def _assert_same_run(folder, ranks: list[dict], reference) -> None:
     """Both ranks' results and every file as the uninterrupted run's."""
     expected_folder, expected_ranks = reference
@@ -451,28 +501,16 @@ def _assert_same_run(folder, ranks: list[dict], reference) -> None:
         for key, atol in RESUME_ATOL.items():
             np.testing.assert_allclose(got[key], expected[key], atol=atol, err_msg=key)
     for index in range(len(ORDER)):
-        mine = read(folder / f"pipe_{index}.traj", ":")
-        theirs = read(expected_folder / f"pipe_{index}.traj", ":")
-        assert len(mine) == len(theirs), index
-        for number, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-            where = f"structure {index}, frame {number}"
-            assert a.get_potential_energy() == pytest.approx(
-                b.get_potential_energy(), abs=RESUME_ENERGY_ATOL
-            ), where
-            for key, atol in RESUME_ATOL.items():
-                np.testing.assert_allclose(
-                    getattr(a, f"get_{key}")(),
-                    getattr(b, f"get_{key}")(),
-                    atol=atol,
-                    err_msg=f"{where}: {key}",
-                )
-            assert ("stress" in a.calc.results) == ("stress" in b.calc.results), where
-            if "stress" in b.calc.results:
-                np.testing.assert_allclose(
-                    a.get_stress(), b.get_stress(), atol=RESUME_STRESS_ATOL
-                )
+        for name in (f"pipe_{index}.traj", f"relax_{index}.traj"):
+            _assert_same_frames_resumed(
+                read(folder / name, ":"), read(expected_folder / name, ":"), name
+            )
     for name in ("pipe.log", "pipe.rank1.log"):
         assert (folder / name).read_text() == (expected_folder / name).read_text()
+    # the optimizer's own log, but for its wall-clock column
+    assert _clock_masked(folder / "relax.log") == _clock_masked(
+        expected_folder / "relax.log"
+    )
     # the finished job's hidden frame files are gone; its checkpoint stays
     assert sorted(path.name for path in folder.glob(".*")) == []
     manifest = read_checkpoint(folder / "ckpt.npz")
@@ -494,6 +532,8 @@ def test_a_stopped_run_continued_ends_as_the_uninterrupted_run(
         assert not bool(rank["done"])
         assert int(rank["nsteps"]) == 7
         assert rank["failures"].tolist() == [[1, 2]]
+        # run() again in the same process would start the stages over
+        assert "runs once per pipeline object" in str(rank["again"])
     assert continued["stopped_step"] == 7
     folder, ranks = continued["moved"]
     for rank in ranks:
@@ -524,6 +564,77 @@ def test_a_killed_run_continues_from_its_last_checkpoint(uninterrupted, continue
     _assert_same_run(folder, ranks, uninterrupted)
 
 
+@pytest.mark.slow  # three torchrun launches (shared with the file's other tests)
+def test_the_optimizers_own_trajectories_continue_as_the_uninterrupted_run(
+    uninterrupted, continued
+):
+    """FIRE's own ``trajectory=`` (``append_trajectory=True``) under the
+    pipeline's ``restart=``: the stopped run and the killed run, continued,
+    leave each structure's file as the uninterrupted run's, frame by frame:
+    the frames written before the checkpoint kept, those the killed run wrote
+    after it cut, none written twice, none missing."""
+    expected_folder, expected_ranks = uninterrupted
+    # as ASE's optimizer writes: frame 0, then one per step up to the step at
+    # which the structure converged (and was handed over)
+    for index, steps in enumerate(expected_ranks[0]["relax_steps"].tolist()):
+        frames = read(expected_folder / f"relax_{index}.traj", ":")
+        assert len(frames) == steps + 1, index
+    # the killed run wrote frames after its checkpoint (cut when it continued)
+    assert continued["killed_relax_frames"] != continued["killed_relax_counted"]
+    assert all(
+        written >= counted
+        for written, counted in zip(
+            continued["killed_relax_frames"],
+            continued["killed_relax_counted"],
+            strict=True,
+        )
+    )
+    for name in ("moved", "killed"):
+        folder = continued[name][0]
+        for index in range(len(ORDER)):
+            file = f"relax_{index}.traj"
+            _assert_same_frames_resumed(
+                read(folder / file, ":"),
+                read(expected_folder / file, ":"),
+                f"{name}: {file}",
+            )
+
+
+def test_the_optimizers_own_trajectories_continue_only_by_appended_paths(
+    lj_calc64, tmp_path
+):
+    """With ``restart=`` the optimizer's own trajectories must be paths it
+    appends to: without ``append_trajectory=True`` the script that continues
+    would remove the frames before the checkpoint as it creates the optimizer,
+    and an open Trajectory cannot be cut back; both refused on the first run
+    already. An appending optimizer's files are not touched by the pipeline."""
+    from ase.io.trajectory import Trajectory
+
+    structures, _, integrate = _parts(lj_calc64)
+    restart = tmp_path / "ckpt.npz"
+    template = str(tmp_path / "relax_{i}.traj")
+    replacing = optimize.FIRE2(structures, logfile=None, trajectory=template)
+    with pytest.raises(ValueError, match="without append_trajectory=True"):
+        replacing.pipe(integrate, restart=restart)
+    replacing.pipe(integrate)  # without restart= nothing is continued
+    one = structures[:1]
+    with Trajectory(tmp_path / "open.traj", "w") as opened:
+        into_open = optimize.FIRE2(one, logfile=None, trajectory=[opened])
+        with pytest.raises(ValueError, match="was given an open Trajectory"):
+            into_open.pipe(md.VelocityVerlet(one, TIMESTEP), restart=restart)
+    earlier = tmp_path / "relax_0.traj"
+    with Trajectory(earlier, "w") as writer:
+        writer.write(structures[0])
+    content = earlier.read_bytes()
+    appending = optimize.FIRE2(
+        structures, logfile=None, trajectory=template, append_trajectory=True
+    )
+    pipeline = appending.pipe(integrate, restart=restart)
+    assert not pipeline.continued
+    assert earlier.read_bytes() == content
+    assert not restart.exists()
+
+
 @pytest.mark.slow  # the first launch
 def test_a_checkpoint_of_another_job_is_refused(stopped, tmp_path):
     """The stopped run's checkpoint continues the same job only: other settings,
@@ -542,9 +653,11 @@ def test_a_checkpoint_of_another_job_is_refused(stopped, tmp_path):
     with pytest.raises(CheckpointError, match=r"setting 'fmax' is 0\.01 in the"):
         build(arguments, fmax=0.02)
     with pytest.raises(CheckpointError, match=r"setting 'md\.friction' is 0\.05"):
-        build([*arguments[:4], "kick=1", "md=Langevin", "restart=ckpt.npz"])
+        build([*arguments[:4], "kick=1", "md=Langevin", "own", "restart=ckpt.npz"])
     with pytest.raises(CheckpointError, match=r"images\[1\] is not the structure"):
-        build([*arguments[:4], "md=SeededLangevin", "restart=ckpt.npz"])  # no kick
+        build([*arguments[:4], "md=SeededLangevin", "own", "restart=ckpt.npz"])
+    with pytest.raises(CheckpointError, match="setting 'optimizer_trajectory' is"):
+        build([*arguments[:4], "kick=1", "md=SeededLangevin", "restart=ckpt.npz"])
     single = tmp_path / "single.npz"
     calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
     optimize.FIRE(images(calc, [0]), logfile=None, restart=single).run(steps=1)

@@ -215,3 +215,105 @@ def test_a_failed_structure_keeps_the_raw_forces_of_its_last_good_state(tmp_path
     last = read(tmp_path / "0.traj", -1)
     np.testing.assert_allclose(last.positions, failing.positions, atol=TOL)
     np.testing.assert_allclose(last.get_forces(apply_constraint=False), raw, atol=TOL)
+
+
+def _assert_reported_as_ase(atoms, model) -> None:
+    """``atoms`` reports what ASE reports for its state: the calculator's raw
+    forces in ``calc.results`` and ``get_forces(apply_constraint=False)``, the
+    constrained ones from ``get_forces()`` (ASE's ``Atoms`` applying them)."""
+    reference = atoms.copy()  # the same positions and constraints, no results
+    reference.calc = NVAlchemiCalculator(model, device="cpu", dtype="float64")
+    raw = reference.get_forces(apply_constraint=False)
+    fixed = atoms.constraints[0].index
+    assert np.abs(raw[fixed]).min() > 1e-4  # raw and constrained differ: can fail
+    for got in (atoms.calc.results["forces"], atoms.get_forces(apply_constraint=False)):
+        np.testing.assert_allclose(got, raw, rtol=1e-10, atol=TOL)
+    np.testing.assert_allclose(
+        atoms.get_forces(), reference.get_forces(), rtol=1e-10, atol=TOL
+    )
+    assert atoms.get_potential_energy() == pytest.approx(
+        reference.get_potential_energy(), rel=1e-10, abs=TOL
+    )
+
+
+def _fixed(atoms, indices):
+    atoms.set_constraint(FixAtoms(indices=indices))
+    return atoms
+
+
+DYNAMICS = {
+    "BFGS": (lambda images, **k: BFGS(images, **k), {"fmax": FMAX}),
+    "VelocityVerlet": (
+        lambda images, **k: VelocityVerlet(images, 2 * units.fs, **k),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DYNAMICS))
+def test_a_resize_before_any_evaluation_reports_raw_forces(name, lj_calc64):
+    """Resized before its first evaluation (the kept structures reordered, one
+    with FixAtoms leaving, one arriving), then run: every structure reports
+    the raw forces as ASE would, at the start and after steps."""
+    make, run = DYNAMICS[name]
+    leaving = _fixed(rattled_bulk(repeat=2, seed=31, stdev=0.1), [1, 6])
+    kept = _fixed(rattled_bulk(repeat=2, seed=32, stdev=0.1), [0, 3])
+    icosahedron = cluster()
+    icosahedron.set_constraint(FixAtoms(indices=[4]))  # its raw force is not 0
+    arriving = _fixed(rattled_bulk(repeat=1, seed=33, stdev=0.1), [2])
+    dynamics = make([kept, leaving, icosahedron], model=lj_calc64.model, logfile=None)
+    dynamics.resize([2, 0], [arriving])
+    for steps in (0, 2):
+        dynamics.run(steps=steps, **run)
+        assert dynamics.images == [icosahedron, kept, arriving]
+        for atoms in dynamics.images:
+            _assert_reported_as_ase(atoms, lj_calc64.model)
+
+
+def _close_pair(atoms):
+    """Two atoms 1.5 Å apart: a largest force of ~6100 eV/Å (argon LJ)."""
+    atoms.positions[1] = atoms.positions[0] + [1.5, 0.0, 0.0]
+    return atoms
+
+
+@pytest.mark.parametrize("name", list(DYNAMICS))
+@pytest.mark.parametrize("when", ["first run", "admitted", "next run"])
+def test_a_structure_failing_at_its_first_evaluation_reports_the_models_forces(
+    name, when, lj_calc64
+):
+    """A structure the guard rejects at the evaluation that starts it (no step
+    taken, nothing to go back to) keeps the state it was given, and its
+    ``Atoms`` report the model's raw forces and energy for that state, as ASE
+    would: at the first run, admitted by a resize (in place of a structure
+    of as many atoms), and at a run after the caller moved it."""
+    import warnings
+
+    from nvalchemi_ase.dynamics.failures import FailureLimits, StructureFailedWarning
+
+    make, run = DYNAMICS[name]
+    limits = FailureLimits(max_force=5.0)  # eV/Å, above the others' forces
+    good = _fixed(rattled_bulk(repeat=2, seed=34, stdev=0.1), [0, 3])
+    other = _fixed(rattled_bulk(repeat=2, seed=35, stdev=0.1), [1, 4])
+    failing = _fixed(rattled_bulk(repeat=2, seed=36, stdev=0.1), [2, 5])
+    images = [good, other]
+    if when == "first run":
+        images = [good, _close_pair(failing)]
+    dynamics = make(images, model=lj_calc64.model, logfile=None, failure_limits=limits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StructureFailedWarning)
+        if when != "first run":
+            dynamics.run(steps=2, **run)
+        if when == "admitted":
+            dynamics.resize([0], [_close_pair(failing)])  # 32 atoms for 32 atoms
+        elif when == "next run":
+            failing = other
+            _close_pair(failing)
+        given = failing.positions.copy()
+        dynamics.run(steps=2, **run)
+    assert [(f.index, f.reason) for f in dynamics.failures][-1] == (
+        1,
+        "the largest force exceeded max_force (5 eV/Å)",
+    )
+    np.testing.assert_array_equal(failing.positions, given)  # never moved
+    for atoms in dynamics.images:
+        _assert_reported_as_ase(atoms, lj_calc64.model)

@@ -1121,7 +1121,7 @@ class BatchedDynamics(AseBaseDynamics):
     def _builtin_hooks(self, skin: float) -> list[Any]:
         stages = import_quietly("nvalchemi.dynamics.base").DynamicsStage
         # the raw model outputs are copied before any constraint hook adjusts them
-        self._raw_results = RawResults(failed=lambda: self._guard.failed)
+        self._raw_results = RawResults(put_back=lambda: self._guard.put_back())
         hooks = [
             *self._guard.hooks(stages),
             self._raw_results.hook(stages),

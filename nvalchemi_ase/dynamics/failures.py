@@ -374,6 +374,16 @@ class FailureGuard:
         """
         self._has_snapshot = False
 
+    def put_back(self) -> torch.Tensor:
+        """Return which structures the latest check put back, shape (B,), bool.
+
+        Every failed structure once a step has been taken (its snapshot);
+        none at an evaluation that follows no step (a run's priming), where
+        a structure the check rejects keeps the state it was given and the
+        outputs the model gave for it.
+        """
+        return self.failed if self._has_snapshot else torch.zeros_like(self.failed)
+
     def reset_volumes(self, batch: Batch) -> None:
         """Take the batch's current cells as the reference for the volume limit."""
         self._volume0 = _volumes(batch)

@@ -34,14 +34,18 @@ class RawResults:
 
     Parameters
     ----------
-    failed : callable, optional
-        Returns the failure guard's [B] bool mask of failed structures; their
-        copies are not replaced (the guard put back their last good state,
-        whose raw values are the copies already held).
+    put_back : callable, optional
+        Returns the [B] bool mask of the structures the failure guard put
+        back to their last good state at this evaluation
+        (:meth:`~nvalchemi_ase.dynamics.failures.FailureGuard.put_back`);
+        their copies are not replaced (the raw values of that state are the
+        copies already held). A structure rejected at an evaluation that
+        follows no step is not put back: its rows hold the model's outputs
+        for the state it was given, and are copied.
     """
 
-    def __init__(self, failed: Callable[[], torch.Tensor] | None = None) -> None:
-        self._failed = failed
+    def __init__(self, put_back: Callable[[], torch.Tensor] | None = None) -> None:
+        self._put_back = put_back
         self._keys: tuple[str, ...] = ()
         self._saved: dict[str, torch.Tensor] = {}
         self._carried: dict[str, torch.Tensor] = {}
@@ -76,10 +80,10 @@ class RawResults:
             ``active_graph_mask``); the others keep their earlier copies, as
             their batch rows hold already adjusted values. None: every graph.
         """
-        if self._failed is not None and self._keys:
-            failed = self._failed()
-            if failed.shape[0] == batch.num_graphs:
-                active = ~failed if active is None else active & ~failed
+        if self._put_back is not None and self._keys:
+            restored = self._put_back()
+            if restored.shape[0] == batch.num_graphs:
+                active = ~restored if active is None else active & ~restored
         for key in self._keys:
             value = batch_field(batch, key)
             if value is None:

@@ -62,6 +62,8 @@ class TrajectorySet:
         self._writers: dict[int, Any] = {}
         #: Frames this set has written, per structure, shape (B,).
         self.written = np.zeros(count, dtype=np.int64)
+        #: Whether existing files were kept to append to (``append_trajectory``).
+        self.append = append
         if not append:
             for target in self._targets:
                 if isinstance(target, Path):
@@ -178,6 +180,7 @@ class TrajectorySet:
             if isinstance(target, Path):
                 target.unlink(missing_ok=True)
         resized.written = np.zeros(len(resized._targets), dtype=np.int64)
+        resized.append = self.append
         self.close()  # the writers of structures that left
         return resized
 

@@ -21,7 +21,8 @@ state, neighbour lists and failure flags of the others carried; the resized
 batch is evaluated once). So both stages have what the single-process classes
 have: failure isolation (a structure that fails on either rank stops, is
 reported in :attr:`RelaxThenMDPipeline.failures` by input index, step and
-reason, and the others go on), their observers and stress on the steps where a
+reason, and warned of by input index on the rank whose part failed, and the
+others go on), their observers and stress on the steps where a
 frame is written. The MD class must resize in place (``md.resizable()``:
 ``VelocityVerlet`` and the NVT thermostats ``Langevin``, ``Bussi``,
 ``NVTBerendsen``, ``NoseHooverChainNVT``, ``Andersen``, without a schedule):
@@ -95,11 +96,20 @@ neighbour lists, seed and step count: the noise of a seeded stochastic
 thermostat goes on as it would have), gives back the final states of the
 structures that left MD, cuts the hidden frame files and logs back to the
 checkpoint (a killed run may have written more) and appends to them; a
-failed structure stays failed. A run stopped by ``run(steps)`` or killed and
-continued this way ends with every rank's ``Atoms``, trajectories and logs
-as the uninterrupted run's (``tests/test_pipeline.py``: bit for bit in
-float64). With ``restart=`` the hidden frame files of an unfinished run stay
-beside the trajectories; a finished job launched again changes no file.
+failed structure stays failed. The optimizer's own trajectories
+(``trajectory=`` given to the optimizer, written on rank 0 as the
+single-process optimizer writes them) and its log continue the same way:
+rank 0's file counts their frames (and the log's size), and a continued
+run cuts them back to that before appending. The optimizer must then be
+created with ``append_trajectory=True`` and paths (refused otherwise, on
+the first run already): the script that continues creates it again, and
+without that it would remove its files, with the frames written before the
+checkpoint, as it is created (as ASE's does). A run stopped by
+``run(steps)`` or killed and continued this way ends with every rank's
+``Atoms``, trajectories and logs as the uninterrupted run's
+(``tests/test_pipeline.py``: bit for bit in float64). With ``restart=`` the
+hidden frame files of an unfinished run stay beside the trajectories; a
+finished job launched again changes no file.
 
 Like :mod:`nvalchemi_ase.compose`, this module sits below ``md`` and
 ``optimize`` and reads its parts through ``compose``'s protocols;
@@ -110,6 +120,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,12 +139,17 @@ from nvalchemi_ase.compose import (
 )
 from nvalchemi_ase.devices import GROUP_TIMEOUT
 from nvalchemi_ase.dynamics.checkpoint import DEFAULT_RESTART_INTERVAL, Checkpoint
-from nvalchemi_ase.dynamics.failures import StructureFailure
+from nvalchemi_ase.dynamics.failures import (
+    StructureFailedWarning,
+    StructureFailure,
+    warn_failures,
+)
 from nvalchemi_ase.dynamics.logs import open_log
 from nvalchemi_ase.dynamics.trajectory import TrajectorySet
 from nvalchemi_ase.pipeline.restart import (
     FRAMES_TAG,
     LOG_TAG,
+    OPTIMIZER_FRAMES_TAG,
     PipelineCheckpoints,
     RankState,
     job_identity,
@@ -161,7 +177,9 @@ class RelaxThenMDPipeline:
     ----------
     optimizer : OptimizerPart
         Relaxes the structures on rank 0 (must not have run); its own
-        observers, log and trajectories run there.
+        observers, log and trajectories run there (with ``restart=``, its
+        trajectories must be paths it appends to, ``append_trajectory=True``:
+        a continued run keeps their frames up to the checkpoint).
     md : MDPart
         Runs MD on the same ``Atoms`` objects on rank 1 (same model; must not
         have run; resizable in place, ``md.resizable()``; no trajectory of its
@@ -255,10 +273,7 @@ class RelaxThenMDPipeline:
                 "(optimizer.pipe(md, restart=PATH))"
             )
         if restart is not None and optimizer.trajectories:
-            raise ValueError(
-                "optimizer | md with restart= continues the trajectories it writes "
-                "itself: give trajectory= to the pipeline, not to the optimizer"
-            )
+            _check_continuable(type(optimizer).__name__, optimizer.trajectories)
         if md.trajectories:
             raise ValueError(
                 "optimizer | md writes each structure's frames into trajectory= of "
@@ -317,6 +332,7 @@ class RelaxThenMDPipeline:
         #: Continued from a checkpoint (``restart=`` named an existing one).
         self.continued = manifest is not None
         self._resume_pending = self.continued  # the next run() takes the files
+        self._ran = False
 
     def _description(self) -> dict[str, Any]:
         return self.todict() | {"interval": self.loginterval}
@@ -334,9 +350,11 @@ class RelaxThenMDPipeline:
     def run(self, steps: int = 100_000_000) -> bool:
         """Relax on rank 0 and run MD on rank 1 until every structure finished.
 
-        Call it on both ranks (collective). A process group that is not
-        initialised yet is started from torchrun's environment (gloo on a CPU,
-        NCCL on CUDA) and destroyed at the end.
+        Call it on both ranks (collective), once per pipeline object: to go
+        on after ``run(steps)`` stopped, give the pipeline ``restart=`` and
+        launch the script again. A process group that is not initialised
+        yet is started from torchrun's environment (gloo on a CPU, NCCL on
+        CUDA) and destroyed at the end.
 
         Parameters
         ----------
@@ -354,10 +372,20 @@ class RelaxThenMDPipeline:
         Raises
         ------
         RuntimeError
-            Outside a two-rank torch.distributed launch.
+            Outside a two-rank torch.distributed launch, or called again.
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if self._ran:
+            # each rank's stage lives in one run(): a second would start it
+            # over (structures handed to MD again, MD progress lost)
+            raise RuntimeError(
+                "optimizer | md runs once per pipeline object, and this one has "
+                "run; to go on after run(steps) stopped it, give the pipeline "
+                "restart=PATH and launch the script again (it continues from "
+                "the checkpoint written when run() ended)"
+            )
+        self._ran = True
         import torch.distributed as dist
 
         limit = self.nsteps + steps
@@ -376,7 +404,8 @@ class RelaxThenMDPipeline:
             log = self._open_log(rank, saved)
             done = False
             try:
-                report = stage.start() if saved is None else stage.resume(saved)
+                with stage.quiet():
+                    report = stage.start() if saved is None else stage.resume(saved)
                 for _ in range(steps + 1):
                     self._exchange(report, stage, group)
                     done = bool((self.stage >= FINISHED).all())
@@ -387,12 +416,14 @@ class RelaxThenMDPipeline:
                         )
                     if ending:
                         break
-                    report = stage.advance()
+                    with stage.quiet():
+                        report = stage.advance()
                     self.nsteps += 1
                     if log is not None and self.nsteps % self.loginterval == 0:
                         log.write(stage.log_line())
             finally:
-                stage.close()
+                with stage.quiet():
+                    stage.close()
                 if frames is not None:
                     frames.close()
             gathered: list[Any] = [None] * dist.get_world_size()
@@ -418,6 +449,12 @@ class RelaxThenMDPipeline:
             for index, step, reason in part["failures"]:
                 self.failures.append(StructureFailure(index, step, reason))
                 self.stage[index] = FINISHED
+        if isinstance(stage, _Dynamics) and integrated["failures"]:
+            # the MD object's own warnings name rows of its batch (silenced)
+            warn_failures(
+                [StructureFailure(*failure) for failure in integrated["failures"]],
+                f"optimizer | md, {type(self.md).__name__} on rank {MD_RANK}",
+            )
         for index, step, *_ in relaxed["arrivals"]:
             self.stage[index] = RUNNING_MD
             self.relax_steps[index] = step
@@ -425,7 +462,8 @@ class RelaxThenMDPipeline:
         running = self.stage == RELAXING
         self.relax_steps[running] = relaxed["nsteps"]
         if isinstance(stage, _Dynamics):
-            stage.admit(relaxed["arrivals"], self.nsteps)
+            with stage.quiet():
+                stage.admit(relaxed["arrivals"], self.nsteps)
 
     def write_back(self, states: list[tuple[int, dict[str, Any]]]) -> None:
         """Write the other rank's final states into this rank's ``Atoms``."""
@@ -627,11 +665,21 @@ class _Relaxation:
         self.reported = np.zeros(count, dtype=bool)  # failures already reported
         self._first: Iterator[bool] | None = None
         self._run: Iterator[bool] | None = None
+        #: The optimizer's own trajectories when they are checkpointed
+        #: (restart=): frames in its files when this run started, and what its
+        #: writer had written by then.
+        own = self.optimizer.trajectories
+        self._own = own if pipeline.restart is not None and own else None
+        self._own_start = (np.zeros(count, np.int64), np.zeros(count, np.int64))
         if frames is not None:
             self.optimizer.attach(
                 _Frames(frames, pipeline.images, self._frame_due),
                 interval=pipeline.loginterval,
             )
+
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """Return no filter: the optimizer's ``images`` are the inputs, in order."""
+        return contextlib.nullcontext()
 
     def _frame_due(self) -> npt.NDArray[np.bool_]:
         converged_at = self.optimizer.converged_at_step
@@ -647,6 +695,8 @@ class _Relaxation:
         first step is an ``irun`` with ``fmax=0``, the rest one ``irun`` with
         ``fmax``, whose start checks the state after step 1.
         """
+        if self._own is not None:  # frames an appending optimizer found
+            self._own_start = (self._own.frame_counts(), self._own.written.copy())
         self._first = self.optimizer.irun(fmax=0.0, steps=1, sync_atoms=False)
         next(self._first)
         return self._report()
@@ -658,6 +708,11 @@ class _Relaxation:
         checkpoint's state again: the structures it finds converged were
         handed over before the checkpoint (``sent``), so nothing is sent.
         """
+        if self._own is not None:
+            # frames a killed run wrote after the checkpoint would repeat
+            counts = saved.tags[OPTIMIZER_FRAMES_TAG].astype(np.int64)
+            self._own.truncate(counts)
+            self._own_start = (counts, self._own.written.copy())
         restartable(self.optimizer).continue_from(saved.path)
         self.sent = saved.tags["sent"].astype(bool)
         self.reported = saved.tags["reported"].astype(bool)
@@ -678,6 +733,10 @@ class _Relaxation:
             "reported": self.reported.copy(),
             **tags,
         }
+        if self._own is not None:
+            frames, written = self._own_start
+            counts = frames + self._own.written - written
+            part.checkpoint_tags[OPTIMIZER_FRAMES_TAG] = counts
         part.write_checkpoint(path)
 
     def advance(self) -> dict[str, Any]:
@@ -776,6 +835,19 @@ class _Dynamics:
                 _Frames(frames, pipeline.images, self._frame_due),
                 interval=pipeline.loginterval,
             )
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Silence the MD object's failure warnings while it is driven.
+
+        They name rows of its batch (``images[0]`` is the first structure
+        admitted), not input structures; the pipeline warns of each MD
+        failure by input index as it is reported
+        (:meth:`RelaxThenMDPipeline._exchange`).
+        """
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StructureFailedWarning)
+            yield
 
     def _md_steps(self) -> npt.NDArray[np.int64]:
         """MD steps each structure took, input order (0: not in MD)."""
@@ -945,6 +1017,32 @@ def _close(run: Iterator[bool]) -> None:
 
 def _nothing() -> dict[str, Any]:
     return {"arrivals": [], "failures": [], "finished": [], "nsteps": 0}
+
+
+def _check_continuable(name: str, trajectories: TrajectorySet) -> None:
+    """Refuse optimizer trajectories a continued pipeline could not continue.
+
+    Checked on every run with ``restart=``, the first included: the
+    optimizer of the run that continues is created by the same script, and
+    without ``append_trajectory=True`` it removes its files as it is
+    created (as ASE's does), before the pipeline could keep their frames.
+    """
+    if any(path is None for path in trajectories.paths):
+        raise ValueError(
+            f"optimizer | md with restart= continues the {name}'s trajectories "
+            "by path (cut back to the checkpoint's frames when a run continues), "
+            "and it was given an open Trajectory; give it paths (a template "
+            "with {i} or one path per structure)"
+        )
+    if not trajectories.append:
+        raise ValueError(
+            f"optimizer | md with restart= continues the {name}'s trajectories, "
+            f"and the {name} was created without append_trajectory=True: when "
+            "the script runs again to continue, it would remove the frames "
+            "written before the checkpoint as it is created; create it with "
+            "append_trajectory=True (a new job then appends to files already "
+            "there, as ASE does: remove them first)"
+        )
 
 
 def _check_no_constraints(images: list[Any]) -> None:

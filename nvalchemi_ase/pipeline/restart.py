@@ -38,6 +38,7 @@ from nvalchemi_ase.identity import MD_FIELDS, structure_digests
 __all__ = [
     "FRAMES_TAG",
     "LOG_TAG",
+    "OPTIMIZER_FRAMES_TAG",
     "RANKS",
     "Job",
     "PipelineCheckpoints",
@@ -57,6 +58,8 @@ _RANK_KIND = "relax-then-md-pipeline-rank"
 RANKS = 2
 #: Tags of a rank's file: frames in its hidden trajectory files, log size.
 FRAMES_TAG, LOG_TAG = "frames", "log_size"
+#: Tag of rank 0's file: frames in the optimizer's own trajectories.
+OPTIMIZER_FRAMES_TAG = "optimizer_frames"
 #: Entries of the parts' ``todict()`` that a continued run may change.
 _VOLATILE = frozenset({"restart", "max_steps", "fmax"})
 
@@ -122,6 +125,11 @@ def job_identity(pipeline: Any, trajectories: list[Path], logfile: Any) -> Job:
         "trajectory": [path.name for path in trajectories],
         "logfile": log,
     }
+    own = pipeline.optimizer.trajectories
+    if own:  # its files continue with the job's (absent before they could)
+        settings["optimizer_trajectory"] = [
+            None if path is None else path.name for path in own.paths
+        ]
     meta, arrays = job_entries(
         md.model, md.setup.dtype, structure_digests(pipeline.images, MD_FIELDS)
     )
