@@ -8,6 +8,7 @@ that path (float64, same engine: round-off only).
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -462,3 +463,48 @@ def test_admitted_structures_needing_more_neighbours_widen_the_list(
             atol=PATH_ATOL,
             rtol=0,
         )
+
+
+@pytest.mark.parametrize("before_first_run", [True, False])
+def test_resized_trajectories_hold_each_step_once_as_alone(
+    lj_calc64, tmp_path, before_first_run
+):
+    """An admitted structure's file: its step 0, then one frame per step, as alone.
+
+    Admitted before the first run, its step 0 was written at the resize and
+    must not be written again when the run starts (ASE writes the initial
+    frame once).
+    """
+    from ase.io import read
+
+    from nvalchemi_ase.md import VelocityVerlet
+    from tests.structures import thermalize
+
+    def fresh(seed):
+        atoms = rattled_bulk(2, seed=seed)
+        thermalize(atoms, 30.0, seed=seed)
+        atoms.calc = lj_calc64
+        return atoms
+
+    first, kept, admitted = fresh(1), fresh(2), fresh(3)
+    dyn = VelocityVerlet([first, kept], 2.0, trajectory=str(tmp_path / "md_{i}.traj"))
+    if not before_first_run:
+        dyn.run(2)
+    dyn.resize([1], [admitted], trajectories=[str(tmp_path / "admitted.traj")])
+    dyn.run(3)
+    dyn.close()
+    alone = fresh(3)
+    reference = VelocityVerlet([alone], 2.0, trajectory=str(tmp_path / "alone.traj"))
+    reference.run(3)
+    reference.close()
+
+    frames = read(tmp_path / "admitted.traj", ":")
+    expected = read(tmp_path / "alone.traj", ":")
+    assert len(frames) == len(expected) == 4
+    for mine, theirs in zip(frames, expected, strict=True):
+        np.testing.assert_array_equal(mine.positions, theirs.positions)
+        np.testing.assert_array_equal(mine.get_momenta(), theirs.get_momenta())
+    kept_frames = read(tmp_path / "md_1.traj", ":")
+    assert len(kept_frames) == (6 if not before_first_run else 4)
+    for earlier, later in itertools.pairwise(kept_frames):  # no frame repeated
+        assert not np.array_equal(earlier.positions, later.positions)

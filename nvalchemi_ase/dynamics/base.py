@@ -1430,7 +1430,10 @@ class BatchedDynamics(AseBaseDynamics):
 
     def _write_trajectories(self, description: dict[str, Any] | None = None) -> None:
         self._sync_if(True)
-        mask = self._writing_mask() & ~self._guard.known_mask
+        # a structure admitted before a run's first step has its frame of
+        # this step already (the resize wrote it): ASE writes it once
+        written = self._frame_steps == self.nsteps
+        mask = self._writing_mask() & ~self._guard.known_mask & ~written
         self.trajectories.write(self.images, mask)
         self._frame_steps[mask] = self.nsteps
 
