@@ -310,10 +310,15 @@ def test_a_structure_failing_at_its_first_evaluation_reports_the_models_forces(
             _close_pair(failing)
         given = failing.positions.copy()
         dynamics.run(steps=2, **run)
-    assert [(f.index, f.reason) for f in dynamics.failures][-1] == (
+    failure = dynamics.failures[-1]
+    assert (failure.index, failure.reason) == (
         1,
         "the largest force exceeded max_force (5 eV/Å)",
     )
+    # what it keeps is named truly: nothing was put back
+    assert failure.restored is False
+    expected = "its input state" if when == "first run" else "the state it was given"
+    assert str(failure).endswith(f"it keeps {expected}")
     np.testing.assert_array_equal(failing.positions, given)  # never moved
     for atoms in dynamics.images:
         _assert_reported_as_ase(atoms, lj_calc64.model)

@@ -40,7 +40,7 @@ entry                             content
 ``neighbors/<i>/<field>``         the neighbour list the next steps reuse
                                   (pair order included: the sums are the same)
 ``failures/<field>``              (B,) failed flags, failure steps and reasons,
-                                  reference volumes
+                                  whether each was put back, reference volumes
 ``extra/<field>``                 class-specific: cell-filter alignment,
                                   convergence flags, trajectory frame and log
                                   file sizes, FIRE's ``downhill_check``

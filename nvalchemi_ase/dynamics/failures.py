@@ -148,18 +148,25 @@ class StructureFailure:
         and the structure never moved).
     reason : str
         What was wrong (see :data:`FAILURE_REASONS`).
+    restored : bool
+        Whether the structure was put back to its state of step ``step - 1``;
+        False when the evaluation rejected followed no step (a later run's
+        first evaluation, or its own first after a ``resize`` admitted it):
+        it keeps the state it was given.
     """
 
     index: int
     step: int
     reason: str
+    restored: bool = True
 
     def __str__(self) -> str:
-        kept = (
-            "its input state"
-            if self.step == 0
-            else f"its state of step {self.step - 1}"
-        )
+        if self.step == 0:
+            kept = "its input state"
+        elif self.restored:
+            kept = f"its state of step {self.step - 1}"
+        else:
+            kept = "the state it was given"
         return (
             f"images[{self.index}] failed at step {self.step}: {self.reason}; "
             f"it keeps {kept}"
@@ -256,6 +263,9 @@ class FailureGuard:
         self.failed = torch.zeros(count, dtype=torch.bool, device=device)
         self.step = torch.full((count,), -1, dtype=torch.long, device=device)
         self.code = torch.zeros(count, dtype=torch.long, device=device)
+        #: Whether each failed structure was put back to its state before
+        #: the step (False: rejected at an evaluation that followed no step).
+        self.restored = torch.zeros(count, dtype=torch.bool, device=device)
         self._volume0 = _volumes(batch)
         self._snapshot: dict[str, torch.Tensor] = {}
         self._has_snapshot = False
@@ -394,10 +404,12 @@ class FailureGuard:
         Returns
         -------
         dict of torch.Tensor, each shape (B,)
-            ``failed`` (bool), ``step`` and ``code`` (int64), ``volume0`` (Å³).
+            ``failed`` and ``restored`` (bool), ``step`` and ``code`` (int64),
+            ``volume0`` (Å³).
         """
         return {
             "failed": self.failed.clone(),
+            "restored": self.restored.clone(),
             "step": self.step.clone(),
             "code": self.code.clone(),
             "volume0": self._volume0.clone(),
@@ -407,6 +419,9 @@ class FailureGuard:
         """Take back what :meth:`state` returned; the failures count as unread."""
         device = self.failed.device
         self.failed = state["failed"].to(device=device, dtype=torch.bool)
+        # checkpoints written before the flag existed: every failure put back
+        restored = state.get("restored", self.failed)
+        self.restored = restored.to(device=device, dtype=torch.bool)
         self.step = state["step"].to(device=device, dtype=torch.long)
         self.code = state["code"].to(device=device, dtype=torch.long)
         self._volume0 = state["volume0"].to(device=device, dtype=self._volume0.dtype)
@@ -435,6 +450,7 @@ class FailureGuard:
             return fresh
 
         self.failed = grown(self.failed, False)
+        self.restored = grown(self.restored, False)
         self.step = grown(self.step, -1)
         self.code = grown(self.code, 0)
         volume0 = _volumes(batch)
@@ -473,12 +489,14 @@ class FailureGuard:
             return []
         steps = self.step.cpu().numpy()
         codes = self.code.cpu().numpy()
+        restored = self.restored.cpu().numpy()
         self._known[fresh] = True
         return [
             StructureFailure(
                 index=int(i),
                 step=int(steps[i]),
                 reason=_reason_text(int(codes[i]), self.limits),
+                restored=bool(restored[i]),
             )
             for i in fresh
         ]
@@ -650,6 +668,8 @@ class FailureGuard:
         self.step = torch.where(newly, self._ase_step(), self.step)
         self.code = torch.where(newly, code, self.code)
         self.failed |= newly
+        if self._has_snapshot:  # _restore puts them back
+            self.restored |= newly
         if self._host_branching:
             self._any_failed = bool(self.failed.any())
 
