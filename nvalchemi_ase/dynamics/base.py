@@ -732,6 +732,55 @@ class BatchedDynamics(AseBaseDynamics):
         self._write_back(selected, results=results)
         self._absorb_failures()
 
+    def written_copies(
+        self, selected: npt.NDArray[np.bool_]
+    ) -> list[tuple[Atoms, dict[str, Any]]]:
+        """Return copies of selected structures as :meth:`sync_structures` writes them.
+
+        The batch's state is written into new ``Atoms`` (copies of those this
+        object runs, which are not touched, nor its record of what it wrote):
+        positions and cells only where they moved since the last write,
+        momenta where :meth:`sync_structures` writes them. For structures
+        leaving the run (a runner's finished ones), whose results are all that
+        is read of them.
+
+        Parameters
+        ----------
+        selected : numpy.ndarray, shape (B,), bool
+            The structures to copy.
+
+        Returns
+        -------
+        list of (ase.Atoms, dict)
+            One per selected structure, in batch order: the copy (no
+            calculator) and the results :meth:`sync_structures` would give its
+            calculator (ASE keys: ``energy``, ``free_energy`` eV, ``forces``
+            [N, 3] eV/Å, ``stress`` Voigt eV/Å³ when current).
+        """
+        keep = np.flatnonzero(np.asarray(selected, dtype=bool))
+        self._absorb_failures(raise_now=False)
+        copies = [self.images[k].copy() for k in keep]
+        holders = [_ResultsHolder() for _ in copies]
+        if copies:
+            targets = list(self.images)
+            for k, atoms, holder in zip(keep, copies, holders, strict=True):
+                atoms.calc = holder
+                targets[k] = atoms
+            update_atoms(
+                targets,
+                self.batch,
+                momenta=np.broadcast_to(self._momenta_mask(), selected.shape),
+                stress=self.stress_step == self.nsteps,
+                rotation=self._writeback_rotation(),
+                positions=self._moved_since_write(keep),
+                only=keep,
+                outputs=self._raw_results.outputs(self.batch),
+            )
+            for atoms in copies:
+                atoms.calc = None
+        self._absorb_failures()
+        return [(atoms, h.results) for atoms, h in zip(copies, holders, strict=True)]
+
     def _write_back(
         self,
         selected: npt.NDArray[np.bool_],
@@ -778,9 +827,28 @@ class BatchedDynamics(AseBaseDynamics):
             for index in keep:
                 self._written[index] = _snapshot(self.images[index])
 
-    def _moved_since_write(self) -> npt.NDArray[np.bool_]:
-        """Which structures' positions or cell changed since the last write, (B,)."""
+    def _moved_since_write(
+        self, only: npt.NDArray[np.intp] | None = None
+    ) -> npt.NDArray[np.bool_]:
+        """Which structures' positions or cell changed since the last write, (B,).
+
+        ``only``: answer for these structures (the others: False), one
+        comparison each instead of one over the whole batch.
+        """
         batch = self.batch
+        if only is not None:
+            moved_only = np.zeros(batch.num_graphs, dtype=bool)
+            ptr = batch.batch_ptr.tolist()
+            with torch.no_grad():
+                for k in only.tolist():
+                    rows = slice(ptr[k], ptr[k + 1])
+                    moved_only[k] = not (
+                        torch.equal(
+                            batch.positions[rows], self._positions_at_write[rows]
+                        )
+                        and torch.equal(batch.cell[k], self._cell_at_write[k])
+                    )
+            return moved_only
         with torch.no_grad():
             atom_moved = (batch.positions != self._positions_at_write).any(dim=1)
             moved = torch.zeros(batch.num_graphs, dtype=torch.long, device=batch.device)
@@ -1454,6 +1522,20 @@ def _late_stages() -> frozenset[Any]:
             stages.AFTER_STEP,
         }
     )
+
+
+class _ResultsHolder:
+    """Stands in for a copy's calculator while ``update_atoms`` gives it results.
+
+    ``update_atoms`` hands a calculator with ``store_results`` its results
+    dict; this one only keeps it (no copy of the ``Atoms``, no view).
+    """
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+
+    def store_results(self, atoms: Atoms, results: dict[str, Any]) -> None:
+        self.results = results
 
 
 def _snapshot(atoms: Atoms) -> tuple[npt.NDArray[Any], ...]:

@@ -350,17 +350,21 @@ def _renumbered(
     carried = int(offsets.numel())
     rows = torch.arange(carried, device=device, dtype=offsets.dtype) + offsets
     capacity = int(lists["matrix"].shape[1])
-    matrix = torch.empty((new_atoms, capacity), dtype=torch.int32, device=device)
-    torch.sub(
-        lists["matrix"].index_select(0, rows),
-        offsets.to(torch.int32).unsqueeze(1),
-        out=matrix[:carried],
-    )
     counts = torch.zeros(new_atoms, dtype=torch.int32, device=device)
     counts[:carried] = lists["num_neighbors"].index_select(0, rows)
-    columns = torch.arange(capacity, device=device, dtype=torch.int32)
+    # columns past the longest row carried are padding in every row: filled
+    # whole, only the ones before it renumbered (K is often 2-3 times that)
+    used = min(int(counts.max()) if carried else 0, capacity)
+    matrix = torch.empty((new_atoms, capacity), dtype=torch.int32, device=device)
+    torch.sub(
+        lists["matrix"][:, :used].index_select(0, rows),
+        offsets.to(torch.int32).unsqueeze(1),
+        out=matrix[:carried, :used],
+    )
+    columns = torch.arange(used, device=device, dtype=torch.int32)
     padding = columns.unsqueeze(0) >= counts[:carried].unsqueeze(1)
-    matrix[:carried].masked_fill_(padding, new_atoms)  # the fill value of new_batch
+    matrix[:carried, :used].masked_fill_(padding, new_atoms)  # new_batch's fill
+    matrix[:carried, used:] = new_atoms
     matrix[carried:] = new_atoms
     shifts = None
     if "shifts" in lists:

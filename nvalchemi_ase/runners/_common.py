@@ -272,23 +272,26 @@ def final_values(
     failed: npt.NDArray[np.bool_],
     *,
     stress: bool,
+    results: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Energy (eV), forces [N, 3] (eV/Å) and optionally stress of synced ``Atoms``.
 
     The dynamics object has written its state and results into ``images``
-    (in the user's orientation, also under a cell filter). Stress (Voigt,
-    eV/Å³, cells of rank 3) that the last step did not compute is evaluated
-    in one batched call for the structures that did not fail.
+    (in the user's orientation, also under a cell filter), or its state into
+    them and their ``results`` (ASE keys; default: each calculator's). Stress
+    (Voigt, eV/Å³, cells of rank 3) that the last step did not compute is
+    evaluated in one batched call for the structures that did not fail.
     """
     values = []
-    for atoms in images:
-        results = atoms.calc.results
+    if results is None:
+        results = [atoms.calc.results for atoms in images]
+    for given in results:
         entry = {
-            "energy": float(results["energy"]),
-            "forces": np.array(results["forces"], dtype=np.float64),
+            "energy": float(given["energy"]),
+            "forces": np.array(given["forces"], dtype=np.float64),
         }
-        if stress and "stress" in results:
-            entry["stress"] = np.array(results["stress"], dtype=np.float64)
+        if stress and "stress" in given:
+            entry["stress"] = np.array(given["stress"], dtype=np.float64)
         values.append(entry)
     if stress:
         missing = [
@@ -303,10 +306,17 @@ def final_values(
     return values
 
 
-def result_atoms(slot: Slot, values: dict[str, Any], *, converged: bool) -> Atoms:
+def result_atoms(
+    slot: Slot,
+    values: dict[str, Any],
+    *,
+    converged: bool,
+    atoms: Atoms | None = None,
+) -> Atoms:
+    """Return the result of ``slot``: ``atoms`` (default: a working ``Atoms`` copy)."""
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    atoms = slot.atoms.copy()
+    atoms = slot.atoms.copy() if atoms is None else atoms
     atoms.calc = SinglePointCalculator(atoms, **values)
     atoms.info.update(
         index=slot.index, converged=converged, steps=slot.steps, failure=None
@@ -314,10 +324,16 @@ def result_atoms(slot: Slot, values: dict[str, Any], *, converged: bool) -> Atom
     return atoms
 
 
-def failed_atoms(slot: Slot, reason: str, results: dict[str, Any] | None) -> Atoms:
+def failed_atoms(
+    slot: Slot,
+    reason: str,
+    results: dict[str, Any] | None,
+    atoms: Atoms | None = None,
+) -> Atoms:
+    """Return the failure of ``slot``: ``atoms`` (default: a working ``Atoms`` copy)."""
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    atoms = slot.atoms.copy()
+    atoms = slot.atoms.copy() if atoms is None else atoms
     if results is not None and all(np.isfinite(v).all() for v in results.values()):
         atoms.calc = SinglePointCalculator(atoms, **results)
     atoms.info.update(

@@ -952,21 +952,25 @@ class _Runner:
     ) -> list[tuple[int, Atoms]]:
         ending = np.zeros(len(self.slots), dtype=bool)
         ending[positions] = True
-        self.opt.sync_structures(ending)  # the others are written at the refill
+        # written into new Atoms, the results: the working ones are not read again
+        finals = self.opt.written_copies(ending)
         reasons = {f.index: f.reason for f in self.opt.failures}
         slots = [self.slots[position] for position in positions]
         for slot, steps in zip(slots, self._steps[positions].tolist(), strict=True):
             slot.steps = steps
         results = final_values(
             self.calc,
-            [slot.atoms for slot in slots],
+            [atoms for atoms, _ in finals],
             failed[positions],
             stress=self.stress,
+            results=[given for _, given in finals],
         )
         self.finished[positions] = True
         self._stop_evaluating(ending)
         done = []
-        for position, slot, result in zip(positions, slots, results, strict=True):
+        for position, slot, result, (final, _) in zip(
+            positions, slots, results, finals, strict=True
+        ):
             if slot.trajectory is not None:
                 slot.trajectory.close()
                 slot.trajectory = None
@@ -978,9 +982,13 @@ class _Runner:
                 }
                 slot.series = None
             if failed[position]:
-                atoms = failed_atoms(slot, reasons.get(position, "failed"), result)
+                atoms = failed_atoms(
+                    slot, reasons.get(position, "failed"), result, atoms=final
+                )
             else:
-                atoms = result_atoms(slot, result, converged=bool(converged[position]))
+                atoms = result_atoms(
+                    slot, result, converged=bool(converged[position]), atoms=final
+                )
             done.append((slot.index, atoms))
         return done
 
