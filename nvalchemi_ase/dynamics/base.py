@@ -832,23 +832,12 @@ class BatchedDynamics(AseBaseDynamics):
     ) -> npt.NDArray[np.bool_]:
         """Which structures' positions or cell changed since the last write, (B,).
 
-        ``only``: answer for these structures (the others: False), one
-        comparison each instead of one over the whole batch.
+        ``only``: answer for these structures (the others: False), comparing
+        their atoms' rows only instead of the whole batch's.
         """
         batch = self.batch
         if only is not None:
-            moved_only = np.zeros(batch.num_graphs, dtype=bool)
-            ptr = batch.batch_ptr.tolist()
-            with torch.no_grad():
-                for k in only.tolist():
-                    rows = slice(ptr[k], ptr[k + 1])
-                    moved_only[k] = not (
-                        torch.equal(
-                            batch.positions[rows], self._positions_at_write[rows]
-                        )
-                        and torch.equal(batch.cell[k], self._cell_at_write[k])
-                    )
-            return moved_only
+            return self._moved_among(only)
         with torch.no_grad():
             atom_moved = (batch.positions != self._positions_at_write).any(dim=1)
             moved = torch.zeros(batch.num_graphs, dtype=torch.long, device=batch.device)
@@ -856,6 +845,33 @@ class BatchedDynamics(AseBaseDynamics):
             cell_moved = (
                 (batch.cell != self._cell_at_write)
                 .reshape(batch.num_graphs, -1)
+                .any(dim=1)
+            )
+            return ((moved > 0) | cell_moved).cpu().numpy()
+
+    def _moved_among(self, only: npt.NDArray[np.intp]) -> npt.NDArray[np.bool_]:
+        """:meth:`_moved_since_write` for the structures ``only`` (others False)."""
+        batch = self.batch
+        graphs = torch.as_tensor(only, dtype=torch.long, device=batch.device)
+        with torch.no_grad():
+            rows = atom_rows(batch, graphs)
+            atom_moved = (
+                batch.positions.index_select(0, rows)
+                != self._positions_at_write.index_select(0, rows)
+            ).any(dim=1)
+            moved = torch.zeros(batch.num_graphs, dtype=torch.long, device=batch.device)
+            moved.index_add_(
+                0, batch.batch_idx.index_select(0, rows).long(), atom_moved.long()
+            )
+            cell_moved = torch.zeros(
+                batch.num_graphs, dtype=torch.bool, device=batch.device
+            )
+            cell_moved[graphs] = (
+                (
+                    batch.cell.index_select(0, graphs)
+                    != self._cell_at_write.index_select(0, graphs)
+                )
+                .reshape(graphs.numel(), -1)
                 .any(dim=1)
             )
             return ((moved > 0) | cell_moved).cpu().numpy()
