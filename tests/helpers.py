@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import signal
 import subprocess
@@ -38,27 +40,112 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+class ForkedRun:
+    """A command-line run forked by the zygote (:mod:`tests.cli_zygote`).
+
+    What :func:`signal_when` and the tests use of ``subprocess.Popen``:
+    ``pid``, ``returncode``, ``poll``, ``send_signal``, ``kill``, ``wait``,
+    ``communicate`` (standard error, written to a file, as text) and
+    ``stderr`` (that file, opened for reading).
+    """
+
+    def __init__(self, zygote: subprocess.Popen, pid: int, stderr: Path) -> None:
+        self._zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+        self._stderr_path = stderr
+        self.stderr = stderr.open()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _ask_zygote(self._zygote, {"poll": self.pid})["status"]
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.wait(timeout)
+        return None, self._stderr_path.read_text()
+
+
+_ZYGOTES: dict[str, subprocess.Popen] = {}
+
+
+def _ask_zygote(zygote: subprocess.Popen, request: dict) -> dict:
+    assert zygote.stdin is not None
+    assert zygote.stdout is not None
+    zygote.stdin.write(json.dumps(request) + "\n")
+    zygote.stdin.flush()
+    line = zygote.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the command-line zygote ended ({zygote.poll()})")
+    return json.loads(line)
+
+
+def _zygote(package_root: str) -> subprocess.Popen:
+    """This process's zygote for ``package_root`` (started at the first run)."""
+    zygote = _ZYGOTES.get(package_root)
+    if zygote is None or zygote.poll() is not None:
+        zygote = subprocess.Popen(
+            [sys.executable, "-m", "tests.cli_zygote"],
+            cwd=package_root,
+            env={**os.environ, "PYTHONPATH": package_root},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _ZYGOTES[package_root] = zygote
+        atexit.register(_end_zygote, zygote)
+    return zygote
+
+
+def _end_zygote(zygote: subprocess.Popen) -> None:
+    if zygote.stdin is not None:
+        zygote.stdin.close()  # its loop ends
+    zygote.wait(timeout=60)
+
+
+def spawn_forked(
+    code: str, argv: list[str], cwd: Path, env: dict[str, str], stderr: Path
+) -> ForkedRun:
+    """Run the script ``code`` with ``argv`` in a process of its own, forked from
+    the zygote (:mod:`tests.cli_zygote`) that imported this checkout's package,
+    torch, nvalchemi and the command line once; standard error to ``stderr``."""
+    package_root = str(Path(nvalchemi_ase.__file__).resolve().parents[1])
+    stderr.write_text("")  # the child writes it; readable from the start
+    zygote = _zygote(package_root)
+    request = {"argv": argv, "cwd": str(cwd), "env": env, "stderr": str(stderr)}
+    answer = _ask_zygote(zygote, {"spawn": {**request, "code": code}})
+    return ForkedRun(zygote, int(answer["pid"]), stderr)
+
+
 def spawn_slowed_cli(
     tmp_path: Path, argv: list[str], step_s: float = 0.01
-) -> subprocess.Popen:
-    """Start ``nvalchemi-ase ARGV`` with a slowed model (:data:`SLOWED`) in a fresh
-    interpreter that imports this checkout's package; stderr is piped."""
-    script = tmp_path / "slowed.py"
-    script.write_text(SLOWED)
+) -> ForkedRun:
+    """Start ``nvalchemi-ase ARGV`` with a slowed model (:data:`SLOWED`) in a process
+    of its own (:func:`spawn_forked`) that imports this checkout's package; its
+    standard error goes to a file."""
     package_root = str(Path(nvalchemi_ase.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": package_root, "SLOW_STEP_S": str(step_s)}
-    return subprocess.Popen(
-        [sys.executable, str(script), *argv],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_forked(SLOWED, argv, tmp_path, env, tmp_path / "slowed.stderr")
 
 
 def signal_when(
-    process: subprocess.Popen,
+    process: subprocess.Popen | ForkedRun,
     ready: Callable[[], bool],
     signum: int = signal.SIGKILL,
     timeout: float = 300.0,

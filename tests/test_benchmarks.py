@@ -2,8 +2,12 @@
 
 Speed is not asserted here (timed tests on shared machines are noise); this
 checks that ``python -m benchmarks --quick`` works and its report is complete.
-Every benchmark runs, in a few launches (``--only``) that parallel test
-workers can take at once: SevenNet-0's, the models' and torchrun's, the others.
+Every benchmark runs, in a few launches (``--only``): SevenNet-0's, the models'
+and torchrun's, the others, and the GPU suite's run on the CPU. The launches
+are the command lines a user types, each checked by its own test; one
+interpreter runs them all in turn (:mod:`tests.benchmark_launches`, through
+``benchmarks/__main__.py``), since a fresh one per launch, importing torch,
+nvalchemi and the models, costs more CPU than most quick sections.
 """
 
 from __future__ import annotations
@@ -41,10 +45,8 @@ SECTIONS = {
 # the GPU suite runs these at the quick sizes too (on the CPU here, in
 # test_gpu_suite_runs_end_to_end_on_the_cpu): they are not launched twice
 IN_THE_GPU_SUITE = ["overhead", "sequential", "runners", "runners-sevennet"]
-# launches of similar length (each a few minutes on a loaded 2-core CPU); each
-# launch is an interpreter importing torch and nvalchemi (~10 s of CPU, more
-# with SevenNet-0 loaded), so the SevenNet ones share one and so do the
-# models and torchrun ones
+# the launches (command lines of ``python -m benchmarks``): SevenNet-0's, the
+# models' and torchrun's, the others; all run by one interpreter (above)
 LAUNCHES = {
     "sevennet": ["neb-sevennet", "memory", "properties-sevennet"],
     "models-torchrun": ["models", "distributed"],
@@ -86,30 +88,60 @@ def test_groups_name_benchmarks_and_expand_in_order_once():
     ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_quick_benchmark_writes_a_complete_report(launch, tmp_path):
-    names = LAUNCHES[launch]
-    report = tmp_path / "performance.md"
-    result = subprocess.run(
+#: the GPU suite's command line, the last launch (``--output-dir`` added)
+GPU_SUITE = ["--suite", "gpu", "--device", "cpu", "--quick"]
+
+
+@pytest.fixture(scope="module")
+def quick_launches(tmp_path_factory) -> Path:
+    """Every launch run by one interpreter; the folder of their outcomes.
+
+    ``FOLDER/<launch>.json`` holds each launch's exit status and traceback (a
+    failed launch does not stop the next), ``FOLDER/<launch>.md`` its report,
+    ``FOLDER/gpu/`` the GPU suite's.
+    """
+    folder = tmp_path_factory.mktemp("benchmarks")
+    plan = {
+        launch: ["--quick", "--only", *names, "--output", str(folder / f"{launch}.md")]
+        for launch, names in LAUNCHES.items()
+    }
+    plan["gpu"] = [*GPU_SUITE, "--output-dir", str(folder / "gpu")]
+    (folder / "plan.json").write_text(json.dumps(plan))
+    done = subprocess.run(
         [
             sys.executable,
             "-m",
-            "benchmarks",
-            "--quick",
-            "--only",
-            *names,
-            "--output",
-            str(report),
+            "tests.benchmark_launches",
+            str(folder / "plan.json"),
+            str(folder),
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=2400,
         check=False,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    text = report.read_text()
+    (folder / "stderr.txt").write_text(done.stderr)
+    return folder
+
+
+def _launched(folder: Path, launch: str) -> None:
+    """Fail unless ``launch`` ran to exit status 0 (with its traceback if not)."""
+    outcome = folder / f"{launch}.json"
+    assert outcome.exists(), (folder / "stderr.txt").read_text()[-3000:]
+    result = json.loads(outcome.read_text())
+    assert result["status"] == 0, result["error"][-3000:]
+
+
+# the launches run one after another: minutes on a loaded 2-core CPU, in the
+# set-up of whichever of these tests runs first
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_quick_benchmark_writes_a_complete_report(launch, quick_launches):
+    names = LAUNCHES[launch]
+    _launched(quick_launches, launch)
+    text = (quick_launches / f"{launch}.md").read_text()
     assert "quick (smoke test" in text
     _assert_complete(text, names)
     if "scaling" in names:
@@ -117,29 +149,12 @@ def test_quick_benchmark_writes_a_complete_report(launch, tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path):
+@pytest.mark.timeout(2400)
+def test_gpu_suite_runs_end_to_end_on_the_cpu(quick_launches):
     """``--suite gpu --device cpu --quick``: every section, one JSON, one report."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--suite",
-            "gpu",
-            "--device",
-            "cpu",
-            "--quick",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    payload = json.loads((tmp_path / "gpu-report.json").read_text())
+    _launched(quick_launches, "gpu")
+    folder = quick_launches / "gpu"
+    payload = json.loads((folder / "gpu-report.json").read_text())
     assert payload["skipped"] == []
     assert set(payload["section_s"]) == {"gpu-tests", "peak-memory", *IN_THE_GPU_SUITE}
     # without CUDA every GPU-marked test skips itself, none fails
@@ -151,7 +166,7 @@ def test_gpu_suite_runs_end_to_end_on_the_cpu(tmp_path):
     structures, atoms, *_ = peak["rows"][0]
     assert int(structures) == 4
     assert float(atoms) > 0
-    text = (tmp_path / "gpu-report.md").read_text()
+    text = (folder / "gpu-report.md").read_text()
     assert "--suite gpu" in text
     _assert_complete(text, IN_THE_GPU_SUITE)
 

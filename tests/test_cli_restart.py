@@ -1,9 +1,11 @@
 """Acceptance: a CLI run stopped by SIGTERM/SIGINT is requeued with ``--restart``.
 
-``md`` is stopped by a signal in a fresh interpreter while a batch is in
-flight (its model slowed down so that the signal lands mid-batch); it must
-write the checkpoint of the step it stopped at, flush its files and exit with
-:data:`~nvalchemi_ase.cli.signals.REQUEUE_STATUS` and one line on stderr.
+``md`` is stopped by a signal in a process of its own (forked from an
+interpreter that has imported the command line, ``tests/cli_zygote.py``) while
+a batch is in flight (its model slowed down so that the signal lands
+mid-batch); it must write the checkpoint of the step it stopped at, flush its
+files and exit with :data:`~nvalchemi_ase.cli.signals.REQUEUE_STATUS` and one
+line on stderr.
 Rerun with ``--restart``, it must end with the final structures and every
 trajectory frame of an uninterrupted run, bit for bit (float64 on CPU: the
 continued batch resumes the very engine state, neighbour list and step
@@ -93,7 +95,7 @@ def _in_second_batch(folder: Path):
     return ready
 
 
-@pytest.mark.slow  # ~25 s each: a fresh interpreter's imports, then two MD runs
+@pytest.mark.slow  # ~25 s each: a stopped MD run, then the continued one
 @pytest.mark.parametrize(
     "signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"]
 )
@@ -122,7 +124,7 @@ def test_md_stopped_by_signal_restarts_to_the_uninterrupted_run(
     _assert_same_md_outputs(folder, reference)
 
 
-@pytest.mark.slow  # ~25 s: a fresh interpreter's imports, then two MD runs
+@pytest.mark.slow  # ~25 s: a killed MD run, then the continued one
 def test_md_killed_restarts_from_its_last_periodic_checkpoint(
     md_reference, tmp_path, capsys
 ):
@@ -171,7 +173,7 @@ def test_md_checkpoint_left_behind_is_not_silently_dropped(
     assert (folder / "checkpoint.npz").read_bytes() == b"from an interrupted run"
 
 
-@pytest.mark.slow  # ~20 s, most of it a fresh interpreter's imports
+@pytest.mark.slow  # ~20 s: two runs and a stopped one
 def test_calc_stopped_by_sigterm_flushes_and_restarts(tmp_path, capsys):
     inputs = tmp_path / "in.extxyz"
     count = 30
@@ -199,7 +201,7 @@ def test_calc_stopped_by_sigterm_flushes_and_restarts(tmp_path, capsys):
     assert output.read_text() == reference.read_text()
 
 
-@pytest.mark.slow  # ~30 s: two relaxations and a fresh interpreter's imports
+@pytest.mark.slow  # ~30 s: two relaxations and a stopped one
 def test_relax_stopped_by_sigterm_restarts_to_the_uninterrupted_run(tmp_path, capsys):
     inputs = tmp_path / "in.extxyz"
     count = 16

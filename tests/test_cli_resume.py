@@ -1,11 +1,12 @@
 """Acceptance: ``calc``, ``relax`` and ``md`` stream, survive ``kill -9`` and resume.
 
-A run is killed with SIGKILL in a fresh interpreter while it writes (its model
-slowed down so that the kill lands mid-run), then continued with
-``--resume``: the result must be the one an uninterrupted run writes, and
-what the killed run had finished must be kept, not computed again. Streaming:
-the inputs are read one frame at a time, and no more of them are alive at once
-than a working batch holds, whatever the number of inputs.
+A run is killed with SIGKILL in a process of its own (forked from an
+interpreter that has imported the command line, ``tests/cli_zygote.py``) while
+it writes (its model slowed down so that the kill lands mid-run), then
+continued with ``--resume``: the result must be the one an uninterrupted run
+writes, and what the killed run had finished must be kept, not computed again.
+Streaming: the inputs are read one frame at a time, and no more of them are
+alive at once than a working batch holds, whatever the number of inputs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _argon(count: int, seed: int = 0) -> list:
     return images
 
 
-@pytest.mark.slow  # ~40 s: three relaxations, one killed in a fresh interpreter
+@pytest.mark.slow  # ~40 s: three relaxations, one killed in a process of its own
 def test_relax_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, capsys):
     inputs = tmp_path / "in.extxyz"
     count = 24
@@ -87,7 +88,7 @@ def test_relax_killed_mid_run_resumes_to_the_uninterrupted_result(tmp_path, caps
         np.testing.assert_allclose(have.get_stress(), want.get_stress(), atol=1e-10)
 
 
-@pytest.mark.slow  # ~20 s, most of it a fresh interpreter's imports
+@pytest.mark.slow  # ~20 s: two runs and a killed one
 def test_calc_killed_mid_run_resumes_to_the_uninterrupted_file(tmp_path, capsys):
     inputs = tmp_path / "in.extxyz"
     count = 40
@@ -116,7 +117,7 @@ def test_calc_killed_mid_run_resumes_to_the_uninterrupted_file(tmp_path, capsys)
     assert len(expected) == count
 
 
-@pytest.mark.slow  # ~40 s: three MD runs, one of them killed in a fresh interpreter
+@pytest.mark.slow  # ~40 s: three MD runs, one of them killed in a process of its own
 def test_md_killed_mid_run_resumes_to_the_uninterrupted_trajectories(tmp_path, capsys):
     inputs = tmp_path / "in.extxyz"
     count = 12

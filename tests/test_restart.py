@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -42,7 +40,7 @@ from nvalchemi_ase.md import (
     VelocityVerlet,
 )
 from nvalchemi_ase.optimize import BFGS, FIRE, FIRE2, LBFGS, MDMin
-from tests.helpers import assert_same_snapshot, snapshot
+from tests.helpers import assert_same_snapshot, snapshot, spawn_forked
 from tests.structures import cluster, rattled_bulk, thermalize, triclinic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,33 +373,64 @@ def test_failed_structures_stay_failed_and_are_not_reported_again(tmp_path, lj_c
     _assert_same_state(reference, second)
 
 
-# The first half in a fresh interpreter; this process continues.
-WORKER = r"""
-import sys, warnings
+# One process of its own for both checks across processes (forked from the
+# zygote of tests/cli_zygote.py, which imported torch and nvalchemi once): it
+# runs the first half of a Langevin run, which this process continues (its
+# checkpoint is complete when run() returns), then writes a checkpoint after
+# every step until it is killed.
+FRESH = r"""
+import sys
 from ase import units
 from nvalchemi_ase import NVAlchemiCalculator
-from nvalchemi_ase.md import Langevin
+from nvalchemi_ase.md import Langevin, VelocityVerlet
 from tests.test_restart import _structures, DT
 
+continued, steps, killed = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
 dyn = Langevin(_structures(calc), DT, temperature_K=300.0,
-               friction=0.01 / units.fs, seed=7, restart=sys.argv[1])
-dyn.run(int(sys.argv[2]))
+               friction=0.01 / units.fs, seed=7, restart=continued)
+dyn.run(steps)
+dyn = VelocityVerlet(_structures(calc), DT, restart=killed, restart_interval=1)
+dyn.run(1_000_000)
 """
+FRESH_STEPS = 30
 
 
-@pytest.mark.slow  # a fresh interpreter: ~20 s on 2 busy cores
-def test_restart_across_processes(tmp_path, lj_calc64):
-    path = tmp_path / "langevin.npz"
-    steps = 30
-    subprocess.run(
-        [sys.executable, "-c", WORKER, str(path), str(steps)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+@pytest.fixture(scope="module")
+def fresh_process(tmp_path_factory) -> tuple[Path, Path]:
+    """(Langevin's checkpoint after its first half, VelocityVerlet's when killed).
+
+    Both written by :data:`FRESH` in a process of its own, SIGKILLed half a
+    second after its first VelocityVerlet checkpoint (a few more writes: the
+    kill lands at an arbitrary point).
+    """
+    import signal
+    import time
+
+    folder = tmp_path_factory.mktemp("fresh_process")
+    continued, killed = folder / "langevin.npz", folder / "vv.npz"
+    argv = [str(continued), str(FRESH_STEPS), str(killed)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = spawn_forked(FRESH, argv, ROOT, env, folder / "stderr.txt")
+    try:
+        deadline = time.monotonic() + 300
+        while not killed.exists() and process.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        process.stderr.close()
+    # it ran until killed: both checkpoints are there
+    assert process.returncode == -signal.SIGKILL, (folder / "stderr.txt").read_text()
+    return continued, killed
+
+
+@pytest.mark.slow  # a process of its own (shared with the test below)
+def test_restart_across_processes(fresh_process, lj_calc64):
+    path, _ = fresh_process
+    steps = FRESH_STEPS
 
     def make(**kwargs):
         return Langevin(
@@ -642,40 +671,9 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, lj_calc64, monkeyp
     assert read_checkpoint(path).meta["nsteps"] == 5
 
 
-# Writes a checkpoint after every step until it is killed.
-WRITER = r"""
-import sys
-from nvalchemi_ase import NVAlchemiCalculator
-from nvalchemi_ase.md import VelocityVerlet
-from tests.test_restart import _structures, DT
-
-calc = NVAlchemiCalculator("lj", device="cpu", dtype="float64")
-dyn = VelocityVerlet(_structures(calc), DT, restart=sys.argv[1], restart_interval=1)
-dyn.run(1_000_000)
-"""
-
-
-@pytest.mark.slow  # a fresh interpreter: ~15 s on 2 busy cores
-def test_sigkill_while_writing_leaves_a_loadable_checkpoint(tmp_path, lj_calc64):
-    import signal
-    import time
-
-    path = tmp_path / "vv.npz"
-    process = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # a few more writes; the kill lands at an arbitrary point
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=60)
+@pytest.mark.slow  # a process of its own (shared with the test above)
+def test_sigkill_while_writing_leaves_a_loadable_checkpoint(fresh_process, lj_calc64):
+    _, path = fresh_process
     steps = read_checkpoint(path).meta["nsteps"]
     assert steps >= 1
     continued = VelocityVerlet(_structures(lj_calc64), DT, restart=path)
