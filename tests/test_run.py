@@ -181,16 +181,22 @@ def test_resize_is_refused_where_per_structure_hooks_are_sized_once(lj_calc64):
             dyn.resize([0], [fresh()])
 
 
+def _thermalized(calc, seed: int, repeat: int = 2):
+    """A rattled argon cell at 30 K (``repeat`` per axis), evaluated by ``calc``."""
+    from tests.structures import thermalize
+
+    atoms = rattled_bulk(repeat, seed=seed)
+    thermalize(atoms, 30.0, seed=seed)
+    atoms.calc = calc
+    return atoms
+
+
 def test_velocity_verlet_resized_in_place_equals_each_structure_alone(lj_calc64):
     """Keep one structure mid-run and admit another: each goes on as alone."""
     from nvalchemi_ase.md import VelocityVerlet
-    from tests.structures import thermalize
 
-    def fresh(seed):
-        atoms = rattled_bulk(2, seed=seed)
-        thermalize(atoms, 30.0, seed=seed)
-        atoms.calc = lj_calc64
-        return atoms
+    def fresh(seed, repeat=2):
+        return _thermalized(lj_calc64, seed, repeat)
 
     first, kept, admitted = fresh(1), fresh(2), fresh(3)
     dyn = VelocityVerlet([first, kept], 2.0)
@@ -478,22 +484,19 @@ def test_resized_trajectories_hold_each_step_once_as_alone(
     from ase.io import read
 
     from nvalchemi_ase.md import VelocityVerlet
-    from tests.structures import thermalize
 
-    def fresh(seed):
-        atoms = rattled_bulk(2, seed=seed)
-        thermalize(atoms, 30.0, seed=seed)
-        atoms.calc = lj_calc64
-        return atoms
+    def fresh(seed, repeat=2):
+        return _thermalized(lj_calc64, seed, repeat)
 
-    first, kept, admitted = fresh(1), fresh(2), fresh(3)
+    # the admitted structure is smaller than the two it joins
+    first, kept, admitted = fresh(1), fresh(2), fresh(3, repeat=1)
     dyn = VelocityVerlet([first, kept], 2.0, trajectory=str(tmp_path / "md_{i}.traj"))
     if not before_first_run:
         dyn.run(2)
     dyn.resize([1], [admitted], trajectories=[str(tmp_path / "admitted.traj")])
     dyn.run(3)
     dyn.close()
-    alone = fresh(3)
+    alone = fresh(3, repeat=1)
     reference = VelocityVerlet([alone], 2.0, trajectory=str(tmp_path / "alone.traj"))
     reference.run(3)
     reference.close()
